@@ -1,0 +1,1 @@
+"""Converter families: one module per Hugging Face model_type."""

@@ -1,0 +1,1 @@
+"""colibri_inspect: verification, planning and readiness checks for Colibri containers."""

@@ -1,0 +1,1 @@
+"""Runtime families: one module per Hugging Face model_type."""
