@@ -384,8 +384,12 @@ class Container:
 
     def verify_record(self, layer: int, expert: int) -> None:
         """Check one record's crc32; raise IntegrityError naming the expert if it does not match."""
+        self.verify_record_bytes(layer, expert, self.record_bytes(layer, expert))
+
+    def verify_record_bytes(self, layer: int, expert: int, payload) -> None:
+        """Check the crc32 of a record's payload read into some buffer (its first `length` bytes)."""
         loc = self.record_location(layer, expert)
-        if record_crc32(self.record_bytes(layer, expert)) != loc.crc32:
+        if record_crc32(memoryview(payload)[: loc.length]) != loc.crc32:
             raise IntegrityError(f"{loc.file}: record of expert ({layer}, {expert}) fails its crc32 check")
 
     def iter_records(self):
