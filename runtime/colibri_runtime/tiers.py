@@ -1,0 +1,258 @@
+"""The tier cache: a "JIT for weights" between the model and the drives.
+
+Tiers, fastest first: the pinned hot set (learned from `.coli_usage`, never evicted), a per-layer LRU, then the
+drives (through `expert_io.RecordReader` on a pool of reader threads). A VRAM tier would sit in front of the pinned
+set behind the same `ExpertProvider` interface.
+
+Router-lookahead prefetch: the model calls `hint(layer, ids)` with the experts that layer's router predicts from an
+earlier hidden state; missing ones start loading on the I/O pool. When the model then asks for a layer, a prefetched
+expert is picked up; a prefetch that has not started yet is cancelled and read on the spot (stale work is dropped);
+prefetched experts the layer did not ask for are dropped. Precision and recall of the predictions are counted.
+
+Every tier hands out the same bytes, decoded the same way, so placement never changes a result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .expert_io import IOPool, RecordReader
+from .weights import ExpertStats, PreparedExpert
+
+
+@dataclass
+class TierStats(ExpertStats):
+    """ExpertStats plus where each hit came from, prefetch quality and time spent waiting for the drives."""
+
+    pinned_hits: int = 0
+    lru_hits: int = 0
+    prefetch_hits: int = 0
+    misses: int = 0
+    predicted: int = 0
+    predicted_used: int = 0
+    wanted_after_hint: int = 0
+    prefetch_reads: int = 0
+    prefetch_wasted: int = 0
+    disk_wait_seconds: float = 0.0
+    read_seconds: float = 0.0
+    bytes_by_drive: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def precision(self) -> float:
+        return self.predicted_used / self.predicted if self.predicted else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.predicted_used / self.wanted_after_hint if self.wanted_after_hint else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How many experts each tier holds. `lru_per_layer` experts per MoE layer; `pinned` explicit (layer, expert)s."""
+
+    lru_per_layer: int
+    pinned: tuple[tuple[int, int], ...] = ()
+
+
+def plan_cache(
+    budget_bytes: int, expert_bytes: int, layers: Sequence[int], pin_bytes: int, hot: Sequence[tuple[int, int]]
+) -> CachePlan:
+    """Split an expert-cache budget between pinned experts (the hottest first, up to pin_bytes) and per-layer LRUs."""
+    if expert_bytes <= 0 or not layers:
+        return CachePlan(0, ())
+    pin_count = max(0, min(len(hot), int(min(pin_bytes, budget_bytes) // expert_bytes)))
+    pinned = tuple(hot[:pin_count])
+    remaining = max(0, budget_bytes - pin_count * expert_bytes)
+    return CachePlan(int(remaining // expert_bytes // len(layers)), pinned)
+
+
+def hottest_experts(counts: np.ndarray, layers: Sequence[int]) -> list[tuple[int, int]]:
+    """(layer, expert) of every expert with a non-zero count, hottest first (ties by layer, then expert)."""
+    out = []
+    for layer in layers:
+        if layer < counts.shape[0]:
+            for e in np.nonzero(counts[layer] > 0)[0]:
+                out.append((float(counts[layer, e]), int(layer), int(e)))
+    out.sort(key=lambda t: (-t[0], t[1], t[2]))
+    return [(layer, e) for _, layer, e in out]
+
+
+class TieredExpertProvider:
+    """An ExpertProvider with pinned + per-layer LRU tiers, async reads and lookahead prefetch."""
+
+    def __init__(
+        self,
+        container,
+        plan: CachePlan,
+        reader: RecordReader | None = None,
+        io_threads: int = 4,
+        prefetch: bool = True,
+        verify_reads: bool = False,
+    ) -> None:
+        self.container = container
+        self.plan = plan
+        self.reader = reader or RecordReader(container)
+        self.pool = IOPool(io_threads)
+        self.prefetch_enabled = prefetch
+        self.verify_reads = verify_reads
+        self.stats = TierStats()
+        self._pinned: dict[tuple[int, int], PreparedExpert] = {}
+        self._lru: dict[int, OrderedDict[int, PreparedExpert]] = {}
+        self._inflight: dict[tuple[int, int], Future] = {}
+        self._hinted: dict[int, set[int]] = {}
+        self.routing_counts = np.zeros((self._num_layer_slots(), max(1, container.num_experts)), dtype=np.float32)
+        self._load_pinned()
+
+    def _num_layer_slots(self) -> int:
+        layers = self.container.expert_layers
+        n = int(self.container.config.get("num_hidden_layers", 0))
+        return max(n, (max(layers) + 1) if layers else 0)
+
+    # --- loading --------------------------------------------------------------------------------------------------
+
+    def _load(self, layer: int, expert: int) -> tuple[PreparedExpert, int, str, float]:
+        result = self.reader.read(layer, expert)
+        view = memoryview(result.buffer)[: result.length]
+        if self.verify_reads:
+            self.container.verify_record_bytes(layer, expert, view)
+        record = self.container.decode_record(view, layer, expert)
+        return PreparedExpert.from_record(record), result.length, result.drive, result.seconds
+
+    def _load_pinned(self) -> None:
+        futures = {key: self.pool.submit(self._load, *key) for key in self.plan.pinned}
+        for key, fut in futures.items():
+            prepared, nbytes, drive, seconds = fut.result()
+            self._pinned[key] = prepared
+            self._account_read(nbytes, drive, seconds)
+
+    def _account_read(self, nbytes: int, drive: str, seconds: float) -> None:
+        self.stats.bytes_read += nbytes
+        self.stats.read_seconds += seconds
+        self.stats.bytes_by_drive[drive] = self.stats.bytes_by_drive.get(drive, 0) + nbytes
+
+    # --- the ExpertProvider interface ------------------------------------------------------------------------------
+
+    def hint(self, layer: int, expert_ids: Iterable[int]) -> None:
+        if not self.prefetch_enabled:
+            return
+        ids = {int(e) for e in expert_ids}
+        self._hinted[layer] = ids
+        for e in sorted(ids):
+            key = (layer, e)
+            if key in self._pinned or e in self._lru.get(layer, ()) or key in self._inflight:
+                continue
+            self._inflight[key] = self.pool.submit(self._load, layer, e)
+            self.stats.prefetch_reads += 1
+
+    def count_tokens(self, n: int) -> None:
+        self.stats.tokens += n
+
+    def observe_routing(self, layer: int, ids: np.ndarray) -> None:
+        """Per-token routing decisions (for .coli_usage): ids is (tokens, top_k)."""
+        if layer < self.routing_counts.shape[0]:
+            np.add.at(self.routing_counts[layer], np.asarray(ids).reshape(-1), 1.0)
+
+    def get(self, layer: int, expert_ids: Sequence[int]) -> list[PreparedExpert]:
+        wanted = [int(e) for e in expert_ids]
+        self._score_prediction(layer, wanted)
+        lru = self._lru.setdefault(layer, OrderedDict())
+        out: dict[int, PreparedExpert] = {}
+        to_read = []
+        misses = 0
+        for e in wanted:
+            key = (layer, e)
+            if key in self._pinned:
+                out[e] = self._pinned[key]
+                self.stats.pinned_hits += 1
+            elif e in lru:
+                lru.move_to_end(e)
+                out[e] = lru[e]
+                self.stats.lru_hits += 1
+            else:
+                fut = self._inflight.pop(key, None)
+                if fut is not None and fut.cancel():
+                    fut = None  # the prefetch had not started: stale work dropped, read it now
+                if fut is None:
+                    fut = self.pool.submit(self._load, layer, e)
+                    misses += 1
+                else:
+                    self.stats.prefetch_hits += 1
+                to_read.append((e, fut))
+        if to_read:
+            t0 = time.perf_counter()
+            for e, fut in to_read:
+                prepared, nbytes, drive, seconds = fut.result()
+                self._account_read(nbytes, drive, seconds)
+                out[e] = prepared
+                self._insert(layer, e, prepared)
+            self.stats.disk_wait_seconds += time.perf_counter() - t0
+        self._drop_unused_prefetches(layer, set(wanted))
+        self.stats.misses += misses
+        hits = len(wanted) - misses  # pinned, LRU and prefetched experts: no demand read was waited for
+        self.stats.requests += 1
+        self.stats.loaded += len(wanted)
+        self.stats.hits += hits
+        self.stats.per_layer[layer] = self.stats.per_layer.get(layer, 0) + len(wanted)
+        return [out[e] for e in wanted]
+
+    # --- internals ------------------------------------------------------------------------------------------------
+
+    def _insert(self, layer: int, expert: int, prepared: PreparedExpert) -> None:
+        capacity = self.plan.lru_per_layer
+        if capacity <= 0:
+            return
+        lru = self._lru[layer]
+        lru[expert] = prepared
+        lru.move_to_end(expert)
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+
+    def _score_prediction(self, layer: int, wanted: list[int]) -> None:
+        predicted = self._hinted.pop(layer, None)
+        if predicted is None:
+            return
+        used = len(predicted.intersection(wanted))
+        self.stats.predicted += len(predicted)
+        self.stats.predicted_used += used
+        self.stats.wanted_after_hint += len(wanted)
+
+    def _drop_unused_prefetches(self, layer: int, wanted: set[int]) -> None:
+        for key in [k for k in self._inflight if k[0] == layer and k[1] not in wanted]:
+            fut = self._inflight.pop(key)
+            self.stats.prefetch_wasted += 1
+            if not fut.cancel():
+                try:
+                    prepared, nbytes, drive, seconds = fut.result()
+                except OSError:
+                    continue
+                self._account_read(nbytes, drive, seconds)
+                # Read anyway: keep it in the LRU rather than waste the bytes (results are unaffected).
+                self._insert(layer, key[1], prepared)
+
+    @property
+    def cached_bytes(self) -> int:
+        pinned = sum(p.nbytes for p in self._pinned.values())
+        return pinned + sum(p.nbytes for lru in self._lru.values() for p in lru.values())
+
+    def take_turn_counts(self) -> np.ndarray:
+        """The routing counts since the last call (for .coli_usage), and reset them."""
+        counts = self.routing_counts
+        self.routing_counts = np.zeros_like(counts)
+        return counts
+
+    def close(self) -> None:
+        for fut in self._inflight.values():
+            fut.cancel()
+        self._inflight.clear()
+        self.pool.shutdown()
+        self.reader.close()
