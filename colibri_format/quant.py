@@ -204,7 +204,24 @@ def _numba_kernels():
                         q = int(min(max(v, -127.0), 127.0))
                     out[r, col] = np.int8(q)
 
-    return int4_pack, int8_codes
+    @numba.njit(cache=True, parallel=True)
+    def group_extremes(rows, signed, out):  # pragma: no cover - compiled
+        # signed=True: the element of largest magnitude with its sign (first on ties); else the largest magnitude.
+        n_rows, width = rows.shape
+        n_groups = out.shape[1]
+        for r in numba.prange(n_rows):
+            for g in range(n_groups):
+                best = np.float32(0.0)
+                best_abs = np.float32(-1.0)
+                for col in range(g * 64, min(width, g * 64 + 64)):
+                    v = rows[r, col]
+                    a = abs(v)
+                    if a > best_abs:
+                        best_abs = a
+                        best = v
+                out[r, g] = best if signed else best_abs
+
+    return int4_pack, int8_codes, group_extremes
 
 
 _KERNELS = None
@@ -218,8 +235,12 @@ def _kernels():
 
 
 def _group_scales_fast(rows: np.ndarray, encoding: str) -> np.ndarray:
-    groups, _ = _as_groups(rows)
-    return int4_scales(groups) if encoding == Encoding.INT4_GS64 else int8_scales(groups)
+    """Same scales as int4_scales/int8_scales: the extremes in numba, the (small) division and rounding in numpy."""
+    extremes = np.empty((rows.shape[0], num_groups(rows.shape[1])), dtype=np.float32)
+    _kernels()[2](rows, encoding == Encoding.INT4_GS64, extremes)
+    if encoding == Encoding.INT4_GS64:
+        return (extremes / np.float32(INT4_SCALE_DIVISOR)).astype(np.float16)
+    return (extremes / np.float32(INT8_SCALE_DIVISOR)).astype(np.float16)
 
 
 def quantize(x: np.ndarray, encoding: str) -> QuantizedTensor:
@@ -231,7 +252,7 @@ def quantize(x: np.ndarray, encoding: str) -> QuantizedTensor:
     rows = x.reshape(-1, shape[-1])
     scales = _group_scales_fast(rows, encoding)
     scales32 = scales.astype(np.float32)
-    int4_pack, int8_codes = _kernels()
+    int4_pack, int8_codes, _ = _kernels()
     if encoding == Encoding.INT4_GS64:
         out = np.empty((rows.shape[0], scales.shape[1] * INT4_BYTES_PER_GROUP), dtype=np.uint8)
         int4_pack(rows, scales32, out)
