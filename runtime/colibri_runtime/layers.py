@@ -477,6 +477,9 @@ class MoE:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         weights, ids = self.router.route(x)
+        observe = getattr(self.experts, "observe_routing", None)
+        if observe is not None:
+            observe(self.layer, ids)
         routed = self.routed(x, weights, ids)
         if self.shared is None:
             return routed

@@ -29,7 +29,7 @@ sequences at once (batch-union of experts); attention runs per sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Callable, Any, Protocol
 
 import numpy as np
 
@@ -58,12 +58,14 @@ class DecoderLayer:
     ffn: Any
 
     def forward(self, h: np.ndarray, segments: list[tuple[int, int]], positions: np.ndarray,
-                caches: list[Any]) -> np.ndarray:
+                caches: list[Any], after_attention: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         normed = self.input_norm(h)
         attn = np.empty_like(h)
         for (start, stop), cache in zip(segments, caches):
             attn[start:stop] = self.attention(normed[start:stop], positions[start:stop], cache)
         h = h + attn
+        if after_attention is not None:
+            after_attention(h)
         return h + self.ffn(self.post_norm(h))
 
 
@@ -143,7 +145,10 @@ class DecoderModel:
         pos = np.concatenate(positions)
         self.experts.count_tokens(start)
         for i, layer in enumerate(self.layers):
-            h = layer.forward(h, segments, pos, [s.caches[i] for s in states])
+            hook = self._lookahead(i)
+            caches = [s.caches[i] for s in states]
+            h = layer.forward(h, segments, pos, caches, after_attention=hook) if hook else layer.forward(
+                h, segments, pos, caches)
         for t, s in zip(tokens, states):
             s.tokens.extend(int(x) for x in t)
         if all_logits:
@@ -154,6 +159,23 @@ class DecoderModel:
             out_segments = [(i, i + 1) for i in range(len(segments))]
         logits = self.lm_head(self.norm(picked))
         return [logits[a:b] for a, b in out_segments]
+
+    def _lookahead(self, i: int) -> Callable[[np.ndarray], None] | None:
+        """Router lookahead: after layer i's attention, route the current hidden state with layer i+1's router
+        and tell the expert provider which experts layer i+1 will probably want, so it can start loading them.
+        Only advice: the real routing of layer i+1 is computed as always, so results never change."""
+        if not getattr(self.experts, "prefetch_enabled", False) or i + 1 >= len(self.layers):
+            return None
+        nxt = self.layers[i + 1]
+        router = getattr(nxt.ffn, "router", None)
+        if router is None:
+            return None
+
+        def hint(h: np.ndarray) -> None:
+            _, ids = router.route(nxt.post_norm(h))
+            self.experts.hint(nxt.ffn.layer, ids)
+
+        return hint
 
     def prefill(self, tokens: np.ndarray, state: SequenceState, chunk_size: int = 512,
                 all_logits: bool = False) -> np.ndarray:

@@ -98,6 +98,7 @@ class TieredExpertProvider:
         io_threads: int = 4,
         prefetch: bool = True,
         verify_reads: bool = False,
+        trace=None,
     ) -> None:
         self.container = container
         self.plan = plan
@@ -105,6 +106,7 @@ class TieredExpertProvider:
         self.pool = IOPool(io_threads)
         self.prefetch_enabled = prefetch
         self.verify_reads = verify_reads
+        self.trace = trace  # a trace.TraceRecorder, or None
         self.stats = TierStats()
         self._pinned: dict[tuple[int, int], PreparedExpert] = {}
         self._lru: dict[int, OrderedDict[int, PreparedExpert]] = {}
@@ -145,7 +147,10 @@ class TieredExpertProvider:
     def hint(self, layer: int, expert_ids: Iterable[int]) -> None:
         if not self.prefetch_enabled:
             return
-        ids = {int(e) for e in expert_ids}
+        matrix = np.asarray(list(expert_ids) if not isinstance(expert_ids, np.ndarray) else expert_ids)
+        if self.trace is not None and matrix.ndim == 2:
+            self.trace.predicted(layer, matrix)
+        ids = {int(e) for e in matrix.reshape(-1)}
         self._hinted[layer] = ids
         for e in sorted(ids):
             key = (layer, e)
@@ -161,6 +166,8 @@ class TieredExpertProvider:
         """Per-token routing decisions (for .coli_usage): ids is (tokens, top_k)."""
         if layer < self.routing_counts.shape[0]:
             np.add.at(self.routing_counts[layer], np.asarray(ids).reshape(-1), 1.0)
+        if self.trace is not None:
+            self.trace.routed(layer, ids)
 
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[PreparedExpert]:
         wanted = [int(e) for e in expert_ids]
