@@ -1,15 +1,16 @@
-"""Shared runner of the runtime oracle tests: a tiny family checkpoint -> a Colibri container -> the runtime, and the
-same quantized weights dequantized back into transformers (what `export-hf` produces) as the oracle.
+"""Shared runner of the runtime oracle tests, on the real path a user takes:
 
-The container is written with colibri_format's ContainerWriter from the checkpoint's tensors quantized with the
-default recipe (attention, dense and expert projections int4_gs64; embeddings and lm_head int8_gs64; norms, routers,
-biases f32), so the runtime reads real memory-mapped records through colibri_format.reader.
+    tiny transformers checkpoint (tests/tiny_models.py, float32)
+      -> colibri-convert (default recipe: attention/dense/expert projections int4_gs64, embeddings and lm_head
+         int8_gs64, norms/routers/biases f32) -> a Colibri container
+      -> export-hf (dequantized float32 weights) -> transformers: the oracle
+      -> colibri-run's model on the memory-mapped container: the system under test
+
+Both sides therefore run the very same quantized weights; only the arithmetic differs.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,38 +18,6 @@ import numpy as np
 import torch
 
 import tiny_models
-from colibri_format.constants import DEFAULT_RECIPE, Encoding
-from colibri_format.quant import QuantizedTensor, quantize
-from colibri_format.writer import ContainerWriter
-
-EXPERT_NAME = re.compile(
-    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.(weight|e_score_correction_bias)$|shared_expert_gate\.weight$")
-
-
-def tensor_class(name: str, t: torch.Tensor) -> str:
-    if t.ndim == 1 or name.endswith(".bias") or "norm" in name.rsplit(".", 2)[-2]:
-        return "bias" if name.endswith(".bias") else "norm"
-    if ROUTER.search(name):
-        return "router"
-    if "embed_tokens" in name:
-        return "embeddings"
-    if name.startswith("lm_head"):
-        return "lm_head"
-    if "shared_expert" in name:
-        return "shared_experts"
-    if ".self_attn." in name:
-        return "attention"
-    return "dense_mlp"
-
-
-def encode(name: str, t: torch.Tensor) -> QuantizedTensor:
-    enc = DEFAULT_RECIPE[tensor_class(name, t)]
-    arr = t.detach().to(torch.float32).numpy()
-    if enc in Encoding.QUANTIZED and arr.ndim != 2:
-        enc = Encoding.F32
-    return quantize(arr, enc)
 
 
 @dataclass
@@ -59,38 +28,16 @@ class Pair:
 
 
 def build_pair(family: str, root: Path, seed: int = 0) -> Pair:
-    """Write the container and the dequantized reference checkpoint of `family` under root; load the oracle."""
-    sd = tiny_models.checkpoint_state_dict(family, seed=seed, layout="per_expert", with_mtp=False)
-    config = tiny_models.tiny_config(family).to_dict()
-    config["architectures"] = [tiny_models._ARCHITECTURES[family]]
-    config.pop("dtype", None)
-    out = root / f"{family}.colibri"
-    writer = ContainerWriter(out, family=family, config=config, source={"repo": "tiny/" + family},
-                             recipe=dict(DEFAULT_RECIPE))
-    experts: dict[tuple[int, int], dict[str, QuantizedTensor]] = {}
-    dequantized: dict[str, torch.Tensor] = {}
-    for name, t in sd.items():
-        m = EXPERT_NAME.match(name)
-        qt = quantize(t.detach().to(torch.float32).numpy(), Encoding.INT4_GS64) if m else encode(name, t)
-        dequantized[name] = torch.from_numpy(np.ascontiguousarray(qt.dequantize()))
-        if m:
-            experts.setdefault((int(m.group(1)), int(m.group(2))), {})[PART[m.group(3)]] = qt
-        else:
-            writer.add_tensor(name, qt)
-    for (layer, expert), parts in sorted(experts.items()):
-        writer.add_expert(layer, expert, gate=parts["gate"], up=parts["up"], down=parts["down"])
-    tok_dir = root / f"{family}.tok"
-    tok_dir.mkdir(exist_ok=True)
-    tiny_models.build_tokenizer().save(str(tok_dir / "tokenizer.json"))
-    writer.add_verbatim_file("tokenizer.json", (tok_dir / "tokenizer.json").read_bytes())
-    writer.add_verbatim_file("tokenizer_config.json", json.dumps(tiny_models.tokenizer_config()).encode())
-    writer.add_verbatim_file("generation_config.json", json.dumps({"eos_token_id": 257, "bos_token_id": 256}).encode())
-    writer.finish()
-    ref_dir = root / f"{family}.hf"
-    ref_dir.mkdir()
-    tiny_models.save_state_dict(dequantized, ref_dir)
-    (ref_dir / "config.json").write_text(json.dumps(config))
-    return Pair(family, out, tiny_models.load_reference_model(ref_dir))
+    """Checkpoint, container and exported reference of `family` under root; the oracle loaded in float32."""
+    from colibri_convert.convert import convert
+    from colibri_convert.export import export_hf
+    from colibri_convert.sources import open_source
+
+    checkpoint = tiny_models.save_tiny_checkpoint(family, root / "checkpoint", seed=seed, dtype="f32")
+    container = root / "container"
+    convert(open_source(str(checkpoint), None), container, None, progress=None)
+    exported = export_hf(container, root / "exported")
+    return Pair(family, container, tiny_models.load_reference_model(exported))
 
 
 def reference_logits(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
