@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from .mla import Linear, apply_rope
@@ -121,3 +122,84 @@ def select(scores: np.ndarray, allowed: np.ndarray, topk: int, *, select_all: bo
     chosen = np.zeros_like(allowed)
     np.put_along_axis(chosen, order, True, axis=-1)
     return chosen & allowed
+
+
+# --- the runtime indexer: deterministic scores, one row at a time ------------------------------------------------
+
+
+@numba.njit(cache=True, parallel=True)
+def _index_scores_kernel(q, weights, keys, q_idx, scale, out):  # pragma: no cover - compiled
+    """out[i, t] = sum_h weights[i, h] * relu(q[i, h] . keys[t] * scale) for t <= q_idx[i]; heads in order."""
+    n, n_heads, d = q.shape
+    for job in numba.prange(n):
+        i = job
+        for t in range(q_idx[i] + 1):
+            total = np.float32(0.0)
+            for h in range(n_heads):
+                acc = np.zeros(8, np.float32)
+                full = d - d % 8
+                for j0 in range(0, full, 8):
+                    for k in range(8):
+                        acc[k] += q[i, h, j0 + k] * keys[t, j0 + k]
+                tail = np.float32(0.0)
+                for j in range(full, d):
+                    tail += q[i, h, j] * keys[t, j]
+                s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
+                s = s * scale
+                if s > 0:
+                    total += weights[i, h] * s
+            out[i, t] = total
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """A full DSA layer's indexer as the runtime runs it: `keys` for the new tokens (cached), `select` for the
+    queries. select_all=True makes every causal key selected (the dense attention, exactly)."""
+
+    cfg: IndexerConfig
+    weights: IndexerWeights
+    select_all: bool = False
+
+    def keys(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        return indexer_keys(self.cfg, self.weights, x, cos, sin)
+
+    def scores(self, x, q_resid, cos, sin, keys, q_idx) -> np.ndarray:
+        """[n, T] index scores; -inf past each query's own position."""
+        n = x.shape[0]
+        q = self.weights.wq_b(q_resid).reshape(n, self.cfg.n_heads, self.cfg.head_dim)
+        q = np.ascontiguousarray(_rope_first(q, self.cfg.rope_dim, cos, sin), dtype=np.float32)
+        w = np.ascontiguousarray(
+            self.weights.weights_proj(x) * np.float32(self.cfg.n_heads**-0.5), np.float32
+        )
+        out = np.full((n, keys.shape[0]), -np.inf, np.float32)
+        _index_scores_kernel(
+            q,
+            w,
+            np.ascontiguousarray(keys, np.float32),
+            np.asarray(q_idx, np.int64),
+            np.float32(self.cfg.head_dim**-0.5),
+            out,
+        )
+        return out
+
+    def select(self, x, q_resid, cos, sin, keys, q_idx) -> tuple[np.ndarray, np.ndarray]:
+        """(sel [n, k] ascending key indices, counts [n]) for mla.attend_latent."""
+        q_idx = np.asarray(q_idx, np.int64)
+        n = len(q_idx)
+        visible = q_idx + 1
+        width = int(visible.max()) if self.select_all else int(min(self.cfg.topk, visible.max()))
+        sel = np.zeros((n, width), np.int64)
+        counts = np.zeros(n, np.int64)
+        scores = None
+        for i in range(n):
+            v = int(visible[i])
+            if self.select_all or v <= self.cfg.topk:
+                chosen = np.arange(v)
+            else:
+                if scores is None:
+                    scores = self.scores(x, q_resid, cos, sin, keys, q_idx)
+                order = np.argsort(-scores[i, :v], kind="stable")[: self.cfg.topk]
+                chosen = np.sort(order)
+            sel[i, : len(chosen)] = chosen
+            counts[i] = len(chosen)
+        return sel, counts

@@ -28,8 +28,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
+from colibri_format.errors import RuntimeModelError
+
+F32 = np.float32
 Linear = Callable[[np.ndarray], np.ndarray]
 
 # q_a_layernorm and kv_a_layernorm are built with the RMSNorm default epsilon, not config.rms_norm_eps.
@@ -162,21 +166,28 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool
     return x * cos + rotated * sin
 
 
-def project(cfg: MLAConfig, w: MLAWeights, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> Projected:
-    """Queries, latent and rotary key of the tokens x [S, hidden] at the positions cos/sin [S, rope] describe."""
+def _latent_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    return rms_norm(x, weight, LATENT_NORM_EPS)
+
+
+def project(
+    cfg: MLAConfig, w: MLAWeights, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, norm=_latent_norm
+) -> Projected:
+    """Queries, latent and rotary key of the tokens x [S, hidden] at the positions cos/sin [S, rope] describe.
+    `norm(x, weight)` is the RMSNorm of q_a_layernorm / kv_a_layernorm."""
     seq = x.shape[0]
     q_resid = None
     if cfg.q_lora_rank is None:
         q = w.q_proj(x)
     else:
-        q_resid = rms_norm(w.q_a_proj(x), w.q_a_norm, LATENT_NORM_EPS)
+        q_resid = norm(w.q_a_proj(x), w.q_a_norm)
         q = w.q_b_proj(q_resid)
     q = q.reshape(seq, cfg.num_heads, cfg.qk_head_dim)
-    q_nope = q[..., : cfg.qk_nope_head_dim]
+    q_nope = np.ascontiguousarray(q[..., : cfg.qk_nope_head_dim])
     q_pe = apply_rope(q[..., cfg.qk_nope_head_dim :], cos, sin, cfg.rope_interleave)
 
     compressed = w.kv_a_proj(x)
-    latent = rms_norm(compressed[:, : cfg.kv_lora_rank], w.kv_a_norm, LATENT_NORM_EPS)
+    latent = norm(np.ascontiguousarray(compressed[:, : cfg.kv_lora_rank]), w.kv_a_norm)
     k_pe = apply_rope(compressed[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
     return Projected(q_nope, q_pe, np.ascontiguousarray(latent), np.ascontiguousarray(k_pe), q_resid)
 
@@ -273,3 +284,232 @@ def attend(
         absorb = seq == 1
     fn = attend_absorbed if absorb else attend_expanded
     return fn(cfg, kv_b, proj.q_nope, proj.q_pe, latent, k_pe, allowed)
+
+
+# --- the runtime layer: deterministic kernels over a growing compressed cache -------------------------------------
+#
+# The runtime always attends in the absorbed form, for prefill chunks and decode steps alike, with one sequential
+# reduction per (query, head) in a fixed order: a row's result depends only on that row and the cached state, never
+# on how a prompt was chunked (the DecoderModel contract), so a session restored from `.coli_kv` continues with the
+# very bits an uninterrupted one produces. `attend_expanded` above remains the reference form of the same function.
+
+
+@numba.njit(cache=True, inline="always")
+def _dot(a, b, n):  # pragma: no cover - compiled
+    """sum(a[:n] * b[:n]) in 8 fixed lanes, then a fixed tree: vectorizable and order-stable."""
+    acc = np.zeros(8, np.float32)
+    full = n - n % 8
+    for j0 in range(0, full, 8):
+        for k in range(8):
+            acc[k] += a[j0 + k] * b[j0 + k]
+    tail = np.float32(0.0)
+    for j in range(full, n):
+        tail += a[j] * b[j]
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
+
+
+@numba.njit(cache=True, parallel=True)
+def _mla_absorbed_kernel(q_nope, q_pe, w_uk, w_uv, latent, k_pe, q_pos, sel, sel_count, scaling, out):
+    """out[i, h] = W_uv[h] @ sum_t softmax_t((q_nope W_uk . latent_t + q_pe . k_pe_t) * scaling) latent_t.
+
+    Query i sees keys sel[i, :sel_count[i]] (ascending), or every key 0..q_pos[i] when sel_count[i] < 0."""
+    n, n_heads, dn = q_nope.shape
+    r = latent.shape[1]
+    dr = k_pe.shape[1]
+    dv = w_uv.shape[1]
+    for job in numba.prange(n * n_heads):
+        i = job // n_heads
+        h = job % n_heads
+        q_lat = np.zeros(r, np.float32)
+        for j in range(dn):
+            qv = q_nope[i, h, j]
+            for c in range(r):
+                q_lat[c] += qv * w_uk[h, j, c]
+        count = sel_count[i]
+        dense = count < 0
+        if dense:
+            count = q_pos[i] + 1
+        scores = np.empty(count, np.float32)
+        m = np.float32(-np.inf)
+        for t in range(count):
+            key = t if dense else sel[i, t]
+            s = _dot(q_lat, latent[key], r) + _dot(q_pe[i, h], k_pe[key], dr)
+            s = s * scaling
+            scores[t] = s
+            m = max(m, s)
+        total = np.float32(0.0)
+        for t in range(count):
+            e = np.exp(scores[t] - m)
+            scores[t] = e
+            total += e
+        o_lat = np.zeros(r, np.float32)
+        for t in range(count):
+            key = t if dense else sel[i, t]
+            p = scores[t] / total
+            for c in range(r):
+                o_lat[c] += p * latent[key, c]
+        for j in range(dv):
+            out[i, h, j] = _dot(w_uv[h, j], o_lat, r)
+
+
+def attend_latent(
+    cfg: MLAConfig,
+    w_uk: np.ndarray,
+    w_uv: np.ndarray,
+    q_nope: np.ndarray,
+    q_pe: np.ndarray,
+    latent: np.ndarray,
+    k_pe: np.ndarray,
+    q_positions: np.ndarray,
+    selection: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """Deterministic absorbed attention; q_positions are cache indices (query i sees keys 0..q_positions[i]).
+    selection = (sel [n, k] ascending key indices, counts [n]) restricts each query to its DSA keys; a count of -1
+    means every causal key. Returns [n, H * v]."""
+    n = q_nope.shape[0]
+    if selection is None:
+        sel = np.zeros((n, 1), np.int64)
+        counts = np.full(n, -1, np.int64)
+    else:
+        sel, counts = selection
+    out = np.empty((n, cfg.num_heads, cfg.v_head_dim), F32)
+    _mla_absorbed_kernel(
+        np.ascontiguousarray(q_nope, F32),
+        np.ascontiguousarray(q_pe, F32),
+        w_uk,
+        w_uv,
+        np.ascontiguousarray(latent, F32),
+        np.ascontiguousarray(k_pe, F32),
+        np.ascontiguousarray(q_positions, np.int64),
+        np.ascontiguousarray(sel, np.int64),
+        np.ascontiguousarray(counts, np.int64),
+        F32(cfg.scaling),
+        out,
+    )
+    return out.reshape(n, cfg.num_heads * cfg.v_head_dim)
+
+
+@dataclass
+class MLACache:
+    """One layer's compressed state for one sequence: latent [T, r], rope key [T, dr] and, on DSA layers with an
+    indexer, the indexer key [T, di]; grown on demand up to `limit` positions.
+
+    `selection` holds the DSA choice of the last forward's rows ((sel, counts), see attend_latent) so that a
+    "shared" layer can reuse it; `source` is, on such a layer, the cache of the full layer it borrows from."""
+
+    limit: int
+    widths: tuple[int, ...]  # (kv_lora_rank, qk_rope_head_dim[, index_head_dim])
+    length: int = 0
+    parts: list[np.ndarray] = None
+    selection: tuple[np.ndarray, np.ndarray] | None = None
+    source: MLACache | None = None
+
+    def __post_init__(self) -> None:
+        cap = min(self.limit, 256)
+        self.parts = [np.zeros((cap, w), F32) for w in self.widths]
+
+    @property
+    def state_width(self) -> int:
+        return sum(self.widths)
+
+    def view(self, part: int) -> np.ndarray:
+        return self.parts[part][: self.length]
+
+    def append(self, *new: np.ndarray) -> None:
+        end = self.length + new[0].shape[0]
+        if end > self.limit:
+            raise RuntimeModelError(
+                f"context limit reached: {end} positions > {self.limit} (max_position_embeddings); "
+                "start a new conversation or shorten the prompt"
+            )
+        if end > self.parts[0].shape[0]:
+            cap = min(self.limit, max(end, 2 * self.parts[0].shape[0]))
+            grown = []
+            for old in self.parts:
+                arr = np.zeros((cap, old.shape[1]), F32)
+                arr[: self.length] = old[: self.length]
+                grown.append(arr)
+            self.parts = grown
+        for arr, rows in zip(self.parts, new, strict=True):
+            arr[self.length : end] = rows
+        self.length = end
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def export_rows(self, start: int, stop: int) -> np.ndarray:
+        """[stop - start, state_width]: the persistent state of those tokens (latent, rope key[, indexer key])."""
+        return np.concatenate([p[start:stop] for p in self.parts], axis=1)
+
+    def import_rows(self, rows: np.ndarray) -> None:
+        """Append tokens' persistent state as export_rows gives it."""
+        offs = np.cumsum((0,) + self.widths)
+        self.append(*(rows[:, offs[k] : offs[k + 1]] for k in range(len(self.widths))))
+
+
+@dataclass(frozen=True)
+class MLAAttention:
+    """The runtime MLA layer (DecoderModel attention protocol): `new_cache()`, `__call__(x, positions, cache)`.
+
+    `indexer` (dsa.Indexer) is set on DSA layers that run their own indexer; `shares_selection` marks DSA layers
+    that reuse the selection of the full layer their cache's `source` points to."""
+
+    cfg: MLAConfig
+    weights: MLAWeights
+    rope: object  # layers.RotaryEmbedding (cos_sin(positions) -> cos, sin of [n, qk_rope_head_dim])
+    limit: int
+    norm: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (x, weight) -> RMSNorm(x) with LATENT_NORM_EPS
+    w_uk: np.ndarray  # [H, qk_nope, r], contiguous
+    w_uv: np.ndarray  # [H, v, r], contiguous
+    indexer: object | None = None
+    shares_selection: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        cfg: MLAConfig,
+        weights: MLAWeights,
+        rope,
+        limit: int,
+        norm,
+        indexer=None,
+        shares_selection: bool = False,
+    ) -> MLAAttention:
+        w_uk, w_uv = _split_kv_b(cfg, np.asarray(weights.kv_b, F32))
+        return cls(
+            cfg,
+            weights,
+            rope,
+            limit,
+            norm,
+            np.ascontiguousarray(w_uk),
+            np.ascontiguousarray(w_uv),
+            indexer,
+            shares_selection,
+        )
+
+    def new_cache(self) -> MLACache:
+        widths = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
+        if self.indexer is not None:
+            widths += (self.indexer.cfg.head_dim,)
+        return MLACache(self.limit, widths)
+
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: MLACache) -> np.ndarray:
+        n = x.shape[0]
+        cos, sin = self.rope.cos_sin(positions)
+        p = project(self.cfg, self.weights, x, cos, sin, norm=self.norm)
+        start = cache.length
+        q_idx = np.arange(start, start + n, dtype=np.int64)
+        selection = None
+        if self.indexer is not None:
+            cache.append(p.latent, p.k_pe, self.indexer.keys(x, cos, sin))
+            selection = self.indexer.select(x, p.q_resid, cos, sin, cache.view(2), q_idx)
+        else:
+            cache.append(p.latent, p.k_pe)
+            if self.shares_selection:
+                selection = cache.source.selection
+        cache.selection = selection
+        o = attend_latent(
+            self.cfg, self.w_uk, self.w_uv, p.q_nope, p.q_pe, cache.view(0), cache.view(1), q_idx, selection
+        )
+        return self.weights.o_proj(o)
