@@ -54,7 +54,7 @@ from colibri_format.records import RecordLayout, check_expert_file_header, recor
 from colibri_format.safetensors_io import DTYPES, _reject_duplicates, parse_header
 
 from .dims import ModelDims
-from .scan import Progress, scan_files
+from .scan import DEFAULT_CHUNK_BYTES, Progress, scan_files
 
 ERROR = "error"
 WARNING = "warning"
@@ -159,8 +159,9 @@ class _Record:
 
 
 class _Verifier:
-    def __init__(self, path: Path, deep: bool, progress: Progress | None, jobs: int | None):
+    def __init__(self, path: Path, deep: bool, progress: Progress | None, jobs: int | None, chunk_bytes: int):
         self.path = Path(path)
+        self.chunk_bytes = chunk_bytes
         self.report = VerifyReport(self.path, deep)
         self.progress = progress
         self.jobs = jobs
@@ -612,7 +613,7 @@ class _Verifier:
             extra = sorted(set(layers) - set(d.moe_layers) - mtp)
             if extra:
                 self.error("expert-layers", f"experts stored for layers {_ranges(extra)}, which config.json says are dense", MANIFEST_NAME)
-        have = {(r.layer, r.expert) for r in self.records}
+        have = {(r.layer, r.expert) for r in self.records if r.file in self.good_expert_files}
         missing = [(layer, e) for layer in layers for e in range(num_experts) if (layer, e) not in have]
         if missing:
             shown = ", ".join(f"({layer}, {e})" for layer, e in missing[:8])
@@ -646,7 +647,8 @@ class _Verifier:
         names = sorted(self.sizes)
         sweeps = {name: _Sweep(by_file.get(name, [])) for name in names}
         start = time.perf_counter()
-        results = scan_files([(self.path / n, sweeps[n].feed) for n in names], progress=self.progress, jobs=self.jobs)
+        results = scan_files([(self.path / n, sweeps[n].feed) for n in names], progress=self.progress, jobs=self.jobs,
+                             chunk_bytes=self.chunk_bytes)
         self.report.read_seconds = time.perf_counter() - start
         for name, res in zip(names, results):
             self.report.bytes_read += res.nbytes
@@ -784,10 +786,15 @@ def _expected_shape(name: str, d: ModelDims) -> list[int] | None:
 
 
 def verify_container(
-    path: Path | str, *, deep: bool = False, progress: Progress | None = None, jobs: int | None = None
+    path: Path | str,
+    *,
+    deep: bool = False,
+    progress: Progress | None = None,
+    jobs: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> VerifyReport:
     """Check a container and return every problem found. `progress(nbytes)` is called as deep verification reads."""
-    return _Verifier(Path(path), deep, progress, jobs).run()
+    return _Verifier(Path(path), deep, progress, jobs, chunk_bytes).run()
 
 
 def bytes_to_scan(path: Path | str) -> int:
