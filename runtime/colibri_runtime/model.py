@@ -100,6 +100,16 @@ class SequenceState:
     def length(self) -> int:
         return len(self.tokens)
 
+    def rollback(self) -> bool:
+        """Drop cached entries beyond the recorded tokens (after a forward interrupted half-way). False if some
+        layer's state cannot be truncated; the caller must then start a new state."""
+        for cache in self.caches:
+            truncate = getattr(cache, "truncate", None)
+            if truncate is None:
+                return False
+            truncate(self.length)
+        return True
+
 
 @dataclass
 class DecoderModel:
