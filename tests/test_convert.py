@@ -9,15 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-
 import tiny_models as tm
+import torch
 from colibri_convert.convert import convert
 from colibri_convert.export import export_hf
 from colibri_convert.families import plan_for
 from colibri_convert.families._base import ExpertPart, FusedExperts, Resident, resolve
 from colibri_convert.sources import LocalSource
+from safetensors.torch import load_file, save_file
+
 from colibri_format.constants import MANIFEST_NAME, Encoding
 from colibri_format.errors import ConversionError
 from colibri_format.quant import QuantizedTensor

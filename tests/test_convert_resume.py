@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 import tiny_models as tm
 from colibri_convert import convert as convert_mod
 from colibri_convert.cli import app
 from colibri_convert.convert import CRASH_ENV, LOCK_NAME, DiskFloorReached, convert
 from colibri_convert.publish import publish
 from colibri_convert.sources import FolderHubClient, HubSource, LocalSource
+from typer.testing import CliRunner
+
 from colibri_format.constants import MANIFEST_NAME
 from colibri_format.errors import ColibriError, ConversionError
 from colibri_format.reader import Container

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -30,8 +29,15 @@ class _RichProgress:
     """Progress bars: the current shard (bytes) and the whole conversion (shards)."""
 
     def __init__(self):
-        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeRemainingColumn, TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), DownloadColumn(),
                             TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
@@ -82,16 +88,16 @@ def _print_summary(s) -> None:
 def convert(
     source: str = typer.Argument(..., help="Local checkpoint folder or Hub repo id (org/name)."),
     out_dir: Path = typer.Argument(..., help="Container directory to write (resumed if a conversion was interrupted)."),
-    revision: Optional[str] = typer.Option(None, help="Hub revision (branch, tag or commit)."),
+    revision: str | None = typer.Option(None, help="Hub revision (branch, tag or commit)."),
     min_free_gb: float = typer.Option(0.0, help="Stop cleanly (resumable) when free space would fall below this."),
     restart: bool = typer.Option(False, help="Discard any partial conversion in OUT_DIR and start over."),
-    experts: Optional[str] = typer.Option(None, help="Encoding of routed experts (default int4_gs64)."),
-    shared_experts: Optional[str] = typer.Option(None, help="Encoding of shared experts (default int4_gs64)."),
-    dense_mlp: Optional[str] = typer.Option(None, help="Encoding of dense MLP layers (default int4_gs64)."),
-    attention: Optional[str] = typer.Option(None, help="Encoding of attention projections (default int4_gs64)."),
-    embeddings: Optional[str] = typer.Option(None, help="Encoding of token embeddings (default int8_gs64)."),
-    lm_head: Optional[str] = typer.Option(None, help="Encoding of the output head (default int8_gs64)."),
-    mtp: Optional[str] = typer.Option(None, help="Encoding of MTP layers (default int8_gs64)."),
+    experts: str | None = typer.Option(None, help="Encoding of routed experts (default int4_gs64)."),
+    shared_experts: str | None = typer.Option(None, help="Encoding of shared experts (default int4_gs64)."),
+    dense_mlp: str | None = typer.Option(None, help="Encoding of dense MLP layers (default int4_gs64)."),
+    attention: str | None = typer.Option(None, help="Encoding of attention projections (default int4_gs64)."),
+    embeddings: str | None = typer.Option(None, help="Encoding of token embeddings (default int8_gs64)."),
+    lm_head: str | None = typer.Option(None, help="Encoding of the output head (default int8_gs64)."),
+    mtp: str | None = typer.Option(None, help="Encoding of MTP layers (default int8_gs64)."),
     quiet: bool = typer.Option(False, help="No progress bars."),
 ) -> None:
     """Convert a Hugging Face MoE checkpoint into a Colibri container, shard by shard, resumably."""

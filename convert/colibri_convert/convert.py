@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import shutil
 import signal
@@ -46,8 +45,21 @@ from colibri_format.constants import (
 )
 from colibri_format.errors import ColibriError, ConversionError
 from colibri_format.quant import QuantizedTensor, quantize, relative_rmse
-from colibri_format.safetensors_io import DTYPES, NUMPY_TO_DTYPE, FileInfo, SafetensorsFile, sha256_file, write_arrays
-from colibri_format.writer import ExpertFileWriter, IndexEntry, finalize_container, write_safetensors, write_verbatim
+from colibri_format.safetensors_io import (
+    DTYPES,
+    NUMPY_TO_DTYPE,
+    FileInfo,
+    SafetensorsFile,
+    sha256_file,
+    write_arrays,
+)
+from colibri_format.writer import (
+    ExpertFileWriter,
+    IndexEntry,
+    finalize_container,
+    write_safetensors,
+    write_verbatim,
+)
 
 from .families import ModelPlan, plan_for
 from .families._base import MTP, ExpertPart, FusedExperts, Resident, resolve
@@ -148,7 +160,7 @@ class ClassStats:
         if rmse > self.worst_relative_rmse or not self.worst_tensor:
             self.worst_relative_rmse, self.worst_tensor = rmse, name
 
-    def merge(self, other: "ClassStats") -> None:
+    def merge(self, other: ClassStats) -> None:
         self.tensors += other.tensors
         self.source_bytes += other.source_bytes
         self.stored_bytes += other.stored_bytes
@@ -160,7 +172,7 @@ class ClassStats:
                 "worst_tensor": self.worst_tensor, "source_bytes": self.source_bytes, "stored_bytes": self.stored_bytes}
 
     @classmethod
-    def from_json(cls, d: dict) -> "ClassStats":
+    def from_json(cls, d: dict) -> ClassStats:
         return cls(int(d["tensors"]), float(d["worst_relative_rmse"]), str(d["worst_tensor"]),
                    int(d["source_bytes"]), int(d["stored_bytes"]))
 
@@ -211,7 +223,7 @@ class UnitState:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "UnitState":
+    def from_json(cls, d: dict) -> UnitState:
         return cls(
             int(d["index"]), str(d["shard"]), str(d["shard_sha256"]), int(d["shard_size"]),
             {role: [FileInfo.from_json(f) for f in infos] for role, infos in d["files"].items()},
@@ -707,5 +719,13 @@ def convert(source: Source, out_dir: Path, recipe: dict[str, str] | None = None,
     return Converter(source, out_dir, recipe, min_free_gb=min_free_gb, restart=restart, progress=progress).run()
 
 
-__all__ = ["ConversionSummary", "Converter", "DiskFloorReached", "ProgressSink", "convert", "free_bytes",
-           "make_recipe", "ColibriError"]
+__all__ = [
+    "ColibriError",
+    "ConversionSummary",
+    "Converter",
+    "DiskFloorReached",
+    "ProgressSink",
+    "convert",
+    "free_bytes",
+    "make_recipe",
+]

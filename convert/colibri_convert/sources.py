@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from colibri_format.constants import VERBATIM_FILES
 from colibri_format.errors import ConversionError
