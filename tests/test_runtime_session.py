@@ -174,3 +174,130 @@ def test_sessions_live_in_the_state_dir(tmp_path):
     for bad in ("../x", "a/b", "", ".hidden"):
         with pytest.raises(SidecarError):
             S.session_path(bad)
+
+
+# --- a real model: kill mid-answer, reopen, continue byte-identically --------------------------------------------
+
+RUNNER = r"""
+import sys, time
+import numpy as np
+from colibri_runtime.loader import load_model
+from colibri_runtime.session import ModelSession
+
+container, path, mode, total, prompt = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+prompt = [int(x) for x in prompt.split(",")]
+model = load_model(container)
+session = ModelSession(model, path, model.container.fingerprint)
+state, feed = session.open(prompt, continue_stored=mode == "resume")
+print("OPENED", session.opened.status, session.opened.reuse, len(feed), flush=True)
+tokens = list(state.tokens) + list(feed)
+start = state.length
+logits = model.forward([np.array(feed)], [state])[0]
+session.commit(state, start)
+while len(tokens) - len(prompt) < total:
+    nxt = int(np.argmax(logits[-1]))
+    tokens.append(nxt)
+    print("TOKEN", nxt, flush=True)
+    if mode == "slow":
+        time.sleep(0.3)
+    start = state.length
+    logits = model.forward([np.array([nxt])], [state])[0]
+    session.commit(state, start)
+print("DONE", ",".join(str(t) for t in tokens[len(prompt):]), flush=True)
+"""
+
+PROMPT = "5,17,99,3,250,42,7,7,130,64,12,200"
+TOTAL = 14
+
+
+@pytest.fixture(scope="module")
+def dsa_container(tmp_path_factory):
+    import tiny_models
+    from colibri_convert.convert import convert
+    from colibri_convert.sources import open_source
+
+    root = tmp_path_factory.mktemp("session-model")
+    checkpoint = tiny_models.save_tiny_checkpoint("glm_moe_dsa", root / "checkpoint", dtype="f32")
+    convert(open_source(str(checkpoint), None), root / "container", None, progress=None)
+    return root / "container"
+
+
+def _run(container, path, mode, env):
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", RUNNER, str(container), str(path), mode, str(TOTAL), PROMPT],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _done(proc) -> tuple[list[str], list[int]]:
+    out, _ = proc.communicate(timeout=300)
+    lines = out.splitlines()
+    assert proc.returncode == 0, out
+    return lines, [int(t) for t in lines[-1].split()[1].split(",")]
+
+
+def test_sigkill_mid_answer_then_resume_is_byte_identical(dsa_container, tmp_path):
+    import os
+    import signal
+
+    env = dict(os.environ)
+    _, uninterrupted = _done(_run(dsa_container, tmp_path / "a.coli_kv", "fast", env))
+    assert len(uninterrupted) == TOTAL
+
+    victim = _run(dsa_container, tmp_path / "b.coli_kv", "slow", env)
+    seen = []
+    for line in victim.stdout:
+        if line.startswith("TOKEN"):
+            seen.append(int(line.split()[1]))
+            if len(seen) == 5:
+                os.kill(victim.pid, signal.SIGKILL)
+                break
+    victim.wait(timeout=60)
+    assert victim.returncode == -signal.SIGKILL
+    assert seen == uninterrupted[:5]
+
+    lines, resumed = _done(_run(dsa_container, tmp_path / "b.coli_kv", "resume", env))
+    _, status, reuse, fed = lines[0].split()
+    assert status == "resumed"
+    prompt_len = len(PROMPT.split(","))
+    assert int(reuse) >= prompt_len + 3 and int(fed) == 1  # the prompt is not prefilled again: one token fed
+    assert resumed == uninterrupted
+
+
+def test_model_session_rejects_other_model_and_restores_gqa(tmp_path):
+    """A GQA family's K/V round-trip through the file, and a session of another model starts fresh."""
+    import tiny_models
+    from colibri_convert.convert import convert
+    from colibri_convert.sources import open_source
+    from colibri_runtime.loader import load_model
+
+    checkpoint = tiny_models.save_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", dtype="f32")
+    convert(open_source(str(checkpoint), None), tmp_path / "container", None, progress=None)
+    model = load_model(tmp_path / "container")
+    prompt = [3, 9, 27, 81, 243, 1]
+    path = tmp_path / "q.coli_kv"
+
+    session = S.ModelSession(model, path, model.container.fingerprint)
+    state, feed = session.open(prompt)
+    logits = model.forward([np.array(feed)], [state])[0]
+    session.commit(state, 0)
+    nxt = int(np.argmax(logits[-1]))
+    want = model.forward([np.array([nxt])], [state])[0]
+    session.close()
+
+    again = S.ModelSession(model, path, model.container.fingerprint)
+    restored, feed = again.open(prompt + [nxt])
+    assert again.opened.status == "resumed" and feed == [nxt]
+    assert np.array_equal(model.forward([np.array(feed)], [restored])[0], want)
+    again.close()
+
+    other = S.ModelSession(model, path, "ef" * 32)
+    with pytest.warns(S.SessionWarning, match="another model"):
+        _, feed = other.open(prompt)
+    assert other.opened.status == "fresh" and feed == prompt
+    other.close()

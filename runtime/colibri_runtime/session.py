@@ -64,7 +64,7 @@ import re
 import struct
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -312,7 +312,7 @@ class OpenedSession:
     """A session ready to continue `prompt`: the first `reuse` tokens' states are restored, `feed` remain to be fed.
 
     `status` is "new" (no file), "resumed" (records reused) or "fresh" (a file existed but could not be used;
-    `reason` says why and a SessionWarning was issued)."""
+    `reason` says why and a SessionWarning was issued). `tokens` are the reused tokens' ids."""
 
     file: SessionFile
     status: str
@@ -320,6 +320,7 @@ class OpenedSession:
     states: np.ndarray  # float32 [reuse, W]
     feed: list[int]
     reason: str = ""
+    tokens: list[int] = field(default_factory=list)  # the reused tokens
 
     def layer_states(self, layer: int) -> np.ndarray:
         offs = self.file.layout.offsets()
@@ -337,8 +338,13 @@ def resume_point(stored_tokens: np.ndarray, flags: np.ndarray, prompt: list[int]
     return int(starts[-1]) if len(starts) else 0
 
 
-def open_session(path: str | Path, layout: SessionLayout, prompt: list[int]) -> OpenedSession:
-    """Open (or create) the session at `path` for `prompt`; never fails on a bad file, warns and starts fresh."""
+def open_session(
+    path: str | Path, layout: SessionLayout, prompt: list[int], *, continue_stored: bool = False
+) -> OpenedSession:
+    """Open (or create) the session at `path` for `prompt`; never fails on a bad file, warns and starts fresh.
+
+    continue_stored=True continues an answer that was interrupted: when the stored tokens extend `prompt`, the prompt
+    becomes the stored tokens (and the last step is fed again to produce the next token)."""
     path = Path(path)
     prompt = [int(t) for t in prompt]
     empty = np.zeros((0, layout.width), np.float32)
@@ -348,6 +354,9 @@ def open_session(path: str | Path, layout: SessionLayout, prompt: list[int]) -> 
     reason = ""
     try:
         stored = read_session_file(path, layout)
+        known = [int(t) for t in stored.tokens]
+        if continue_stored and known[: len(prompt)] == prompt:
+            prompt = known
         reuse = resume_point(stored.tokens, stored.flags, prompt)
         if reuse is None:
             reason = f"{path}: the prompt does not continue the stored conversation"
@@ -360,4 +369,83 @@ def open_session(path: str | Path, layout: SessionLayout, prompt: list[int]) -> 
         return OpenedSession(SessionFile.create(path, layout), "fresh", 0, empty, prompt, reason)
     file._count = len(stored.tokens)
     file.truncate(reuse)
-    return OpenedSession(file, "resumed", reuse, stored.states[:reuse], prompt[reuse:])
+    return OpenedSession(file, "resumed", reuse, stored.states[:reuse], prompt[reuse:], tokens=known[:reuse])
+
+
+# --- binding a model's per-sequence state to a session file -------------------------------------------------------
+
+
+def cache_width(cache) -> int:
+    """Floats per token of one layer's cache: MLA caches say so; GQA KV caches hold K then V of every KV head."""
+    width = getattr(cache, "state_width", None)
+    if width is not None:
+        return int(width)
+    return int(cache.n_kv_heads * (cache.k_dim + cache.v_dim))
+
+
+def export_cache_rows(cache, start: int, stop: int) -> np.ndarray:
+    if hasattr(cache, "export_rows"):
+        return cache.export_rows(start, stop)
+    n = stop - start
+    return np.concatenate([cache.k[start:stop].reshape(n, -1), cache.v[start:stop].reshape(n, -1)], axis=1)
+
+
+def import_cache_rows(cache, rows: np.ndarray) -> None:
+    if hasattr(cache, "import_rows"):
+        cache.import_rows(rows)
+        return
+    n = rows.shape[0]
+    k_width = cache.n_kv_heads * cache.k_dim
+    cache.append(
+        rows[:, :k_width].reshape(n, cache.n_kv_heads, cache.k_dim),
+        rows[:, k_width:].reshape(n, cache.n_kv_heads, cache.v_dim),
+    )
+
+
+class ModelSession:
+    """A model's sequence state persisted in a `.coli_kv` file.
+
+    session = ModelSession(model, path, container.fingerprint)
+    state, feed = session.open(prompt_ids)      # restored state, tokens still to feed
+    start = state.length
+    logits = model.forward([feed], [state])[0]
+    session.commit(state, start)                 # after every forward step
+    """
+
+    def __init__(self, model, path: str | Path, fingerprint: str, tag: str | None = None) -> None:
+        self.model = model
+        self.path = Path(path)
+        probe = model.new_state()
+        widths = tuple(cache_width(c) for c in probe.caches)
+        self.layout = SessionLayout(
+            fingerprint, widths, tag if tag is not None else getattr(model, "state_tag", "")
+        )
+        self.file: SessionFile | None = None
+        self.opened: OpenedSession | None = None
+
+    def open(self, prompt, *, continue_stored: bool = False):
+        """(SequenceState restored from the file, token ids still to feed). status/reason on self.opened."""
+        self.close()
+        opened = open_session(
+            self.path, self.layout, [int(t) for t in prompt], continue_stored=continue_stored
+        )
+        self.opened, self.file = opened, opened.file
+        state = self.model.new_state()
+        offsets = self.layout.offsets()
+        for i, cache in enumerate(state.caches):
+            import_cache_rows(cache, opened.states[:, offsets[i] : offsets[i + 1]])
+        state.tokens.extend(opened.tokens)
+        return state, opened.feed
+
+    def commit(self, state, start: int) -> None:
+        """Persist the tokens state.tokens[start:] (one forward step) and their states."""
+        stop = state.length
+        if stop <= start:
+            return
+        rows = np.concatenate([export_cache_rows(c, start, stop) for c in state.caches], axis=1)
+        self.file.append(state.tokens[start:stop], rows)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
