@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from colibri_inspect.verify import verify_container
 from inspect_containers import (
     build_container,
     index_entries,
@@ -20,7 +21,6 @@ from inspect_containers import (
 )
 
 from colibri_format.reader import Container
-from colibri_inspect.verify import verify_container
 
 
 @pytest.fixture(scope="module")

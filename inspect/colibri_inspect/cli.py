@@ -9,13 +9,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from colibri_format.errors import ColibriError
@@ -40,7 +48,7 @@ def human(n: float) -> str:
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}")
+    err.print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(code)
 
 
@@ -93,7 +101,7 @@ def info(path: Path = typer.Argument(..., help="Container directory"), as_json: 
         return
     d, s = data["dims"], data["sizes"]
     src = data["source"]
-    out.print(f"[bold]{path}[/]: Colibri container, format v{data['format_version']}, family [bold]{data['family']}[/]")
+    out.print(f"[bold]{escape(str(path))}[/]: Colibri container, format v{data['format_version']}, family [bold]{data['family']}[/]")
     out.print(f"  source        {src.get('repo') or '-'} @ {src.get('revision') or '-'} ({src['files']} source files)")
     out.print(f"  fingerprint   {data['fingerprint']}")
     out.print(f"  writer        {data['writer']}")
@@ -108,7 +116,7 @@ def info(path: Path = typer.Argument(..., help="Container directory"), as_json: 
     )
     out.print(f"  records       {data['experts']['records']} in {len(data['files']['experts'])} data files, layers "
               f"{_span(data['experts']['layers'])}")
-    out.print(f"  recipe        " + ", ".join(f"{k}={v}" for k, v in data["recipe"].items()))
+    out.print("  recipe        " + ", ".join(f"{k}={v}" for k, v in data["recipe"].items()))
     out.print(
         f"  sizes         resident {human(s['resident'])}, mtp {human(s['mtp'])}, experts {human(s['experts'])}, "
         f"total {human(s['total'])}"
@@ -137,7 +145,7 @@ def verify(
     path: Path = typer.Argument(..., help="Container directory"),
     deep: bool = typer.Option(False, "--deep", help="Also read every byte: checksums, finite scales"),
     as_json: bool = typer.Option(False, "--json"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="Files read at once (default: up to 4)"),
+    jobs: int | None = typer.Option(None, "--jobs", help="Files read at once (default: half the cores, at most 8)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
     """Report every problem of a container. Exit 0 when sound, 1 when not."""
@@ -152,9 +160,9 @@ def verify(
     for f in report.findings:
         colour = "red" if f.severity == "error" else "yellow"
         where = f"{f.file}: " if f.file and not f.message.startswith(f.file) else ""
-        out.print(f"[{colour}]{f.severity:7}[/] [{f.code}] {where}{f.message}")
+        out.print(f"[{colour}]{f.severity:7}[/] {escape(f'[{f.code}] {where}{f.message}')}")
     for code, n in report.suppressed.items():
-        out.print(f"[dim]... and {n} more [{code}] findings[/]")
+        out.print(f"[dim]... and {n} more {escape(f'[{code}]')} findings[/]")
     kind = "deep" if deep else "fast"
     summary = (
         f"{kind} verify: {report.files_checked} files, {report.tensors_checked} tensors, "
@@ -173,7 +181,7 @@ def verify(
 @mirror_app.command("verify")
 def mirror_verify(
     primary: Path = typer.Argument(..., help="Primary container directory"),
-    mirrors: List[Path] = typer.Argument(..., help="Mirror directories"),
+    mirrors: list[Path] = typer.Argument(..., help="Mirror directories"),
     as_json: bool = typer.Option(False, "--json"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
@@ -194,7 +202,7 @@ def mirror_verify(
             colour = {"full": "green", "partial": "cyan", "empty": "yellow"}.get(r.status, "red")
             held = [f for f in r.data_files if f.status == "identical"]
             out.print(
-                f"[bold]{r.mirror}[/]: [{colour}]{r.status}[/], {len(held)} of {len(r.data_files)} expert data files "
+                f"[bold]{escape(str(r.mirror))}[/]: [{colour}]{r.status}[/], {len(held)} of {len(r.data_files)} expert data files "
                 f"({human(r.bytes_held)} of {human(r.bytes_total)}, {r.records_held} of {r.records_total} experts)"
                 + ("" if r.manifest_matches is not False else "; its manifest is of another container")
             )
@@ -204,7 +212,7 @@ def mirror_verify(
                 elif f.status == "missing":
                     out.print(f"  [dim]missing    {f.name}[/]")
                 else:
-                    out.print(f"  [red]{f.status}[/] {f.name} {f.detail}")
+                    out.print(f"  [red]{f.status}[/] {escape(f.name)} {escape(f.detail)}")
     raise typer.Exit(0 if all(r.ok or r.status == "empty" for r in reports) else 1)
 
 
@@ -212,8 +220,8 @@ def mirror_verify(
 def mirror_stage(
     primary: Path = typer.Argument(..., help="Primary container directory"),
     mirror_dir: Path = typer.Argument(..., help="Where the mirror goes (on another drive)"),
-    hot_only: Optional[float] = typer.Option(None, "--hot-only", help="Copy only the most-used expert files, up to GB"),
-    usage_path: Optional[Path] = typer.Option(None, "--usage", help="A .coli_usage file (default: the container's)"),
+    hot_only: float | None = typer.Option(None, "--hot-only", help="Copy only the most-used expert files, up to GB"),
+    usage_path: Path | None = typer.Option(None, "--usage", help="A .coli_usage file (default: the container's)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
     """Copy a container (or its hottest expert files) to a mirror: verified, atomic per file, resumable."""
@@ -226,7 +234,7 @@ def mirror_stage(
         mass = None
         if hot_only is not None:
             facts = load_facts(primary)
-            usage, why = load_usage(facts, usage_path)
+            usage, _ = load_usage(facts, usage_path)
             if usage is not None:
                 mass = file_usage_mass(facts.records_per_file, usage.layers, usage.counts)
         budget = None if hot_only is None else int(hot_only * 1e9)
@@ -254,11 +262,11 @@ def plan(
     path: Path = typer.Argument(..., help="Container directory"),
     ram: float = typer.Option(..., "--ram", help="RAM to use, GB (1e9 bytes)"),
     vram: float = typer.Option(0.0, "--vram", help="VRAM to use for experts, GB"),
-    disk_gbps: Optional[float] = typer.Option(None, "--disk-gbps", help="Disk read bandwidth, GB/s (default: measure)"),
+    disk_gbps: float | None = typer.Option(None, "--disk-gbps", help="Disk read bandwidth, GB/s (default: measure)"),
     context: int = typer.Option(4096, "--context", help="Context length the KV cache is sized for"),
     pin_fraction: float = typer.Option(0.5, "--pin-fraction", help="Share of expert slots pinned to the hottest experts"),
     mtp: bool = typer.Option(False, "--mtp/--no-mtp", help="Keep the MTP head resident (speculative decoding)"),
-    usage_path: Optional[Path] = typer.Option(None, "--usage", help="A .coli_usage file (default: the container's)"),
+    usage_path: Path | None = typer.Option(None, "--usage", help="A .coli_usage file (default: the container's)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """What stays resident, how many experts the caches hold, what gets pinned, and the predicted decode speed."""
@@ -307,7 +315,7 @@ def plan(
         emit_json(data)
         return
     i = p.inputs
-    out.print(f"[bold]plan for {path}[/] with {human(i.ram_bytes)} RAM" + (f", {human(i.vram_bytes)} VRAM" if i.vram_bytes else ""))
+    out.print(f"[bold]plan for {escape(str(path))}[/] with {human(i.ram_bytes)} RAM" + (f", {human(i.vram_bytes)} VRAM" if i.vram_bytes else ""))
     out.print(f"  resident      dense weights {human(i.dense_bytes)}{' (with MTP)' if mtp else ''}"
               + ("" if p.dense_fits else " [red]does not fit[/]"))
     out.print(f"  reserved      KV cache {human(p.kv_bytes)} ({context} tokens), buffers {human(i.working_bytes)}, "
@@ -318,7 +326,7 @@ def plan(
     if p.all_experts_fit:
         out.print("                [green]every expert fits: after warm-up nothing is read from disk[/]")
     out.print(f"  pinned        {len(p.pinned)} hottest experts" + (f" ({p.vram_pinned} in VRAM)" if p.vram_pinned else "")
-              + ("" if usage is not None else f" (no usage history: {why})"))
+              + ("" if usage is not None else escape(f" (no usage history: {why})")))
     if p.pinned:
         out.print("                hottest: " + ", ".join(f"L{layer}/E{e}" for layer, e in p.pinned[:8])
                   + (" ..." if len(p.pinned) > 8 else ""))
@@ -331,7 +339,7 @@ def plan(
     else:
         out.print(f"  [bold]decode        ~{p.tokens_per_s:.2f} tok/s predicted[/] (disk-bound estimate)")
     for w in p.warnings:
-        out.print(f"  [yellow]warning[/] {w}")
+        out.print(f"  [yellow]warning[/] {escape(w)}")
 
 
 # --- doctor ------------------------------------------------------------------------------------------------------
@@ -340,7 +348,7 @@ def plan(
 @app.command()
 def doctor(
     path: Path = typer.Argument(..., help="Container directory"),
-    mirrors: List[Path] = typer.Option([], "--mirror", help="Mirror directories to measure too"),
+    mirrors: list[Path] = typer.Option([], "--mirror", help="Mirror directories to measure too"),
     context: int = typer.Option(4096, "--context"),
     probe_mb: int = typer.Option(256, "--probe-mb", help="MB read per drive to measure bandwidth"),
     as_json: bool = typer.Option(False, "--json"),
@@ -355,9 +363,9 @@ def doctor(
         raise typer.Exit(0 if ok else 1)
     marks = {"ok": "[green]ok  [/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
     for c in checks:
-        out.print(f"{marks[c.status]} {c.name:10} {c.message}")
+        out.print(f"{marks[c.status]} {c.name:10} {escape(c.message)}")
         if c.advice and c.status != "ok":
-            out.print(f"     {'':10} -> {c.advice}")
+            out.print(f"     {'':10} -> {escape(c.advice)}")
     out.print("[green]ready[/]" if ok else "[red]not ready[/]")
     raise typer.Exit(0 if ok else 1)
 
@@ -368,9 +376,9 @@ def doctor(
 @app.command()
 def usage(
     path: Path = typer.Argument(..., help="Container directory"),
-    png: Optional[Path] = typer.Option(None, "--png", help="Write a layer x expert heatmap PNG here"),
+    png: Path | None = typer.Option(None, "--png", help="Write a layer x expert heatmap PNG here"),
     top: int = typer.Option(20, "--top", help="Rows in the table of hottest experts"),
-    usage_path: Optional[Path] = typer.Option(None, "--usage", help="A .coli_usage file (default: the container's)"),
+    usage_path: Path | None = typer.Option(None, "--usage", help="A .coli_usage file (default: the container's)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Routing heat of every expert from .coli_usage: a heatmap picture and the hottest experts."""
@@ -401,7 +409,7 @@ def usage(
             }
         )
         return
-    out.print(f"[bold]{u.path}[/]: {u.turns} turns, decay {u.decay}, {len(u.layers)} layers x {facts.num_experts} experts")
+    out.print(f"[bold]{escape(str(u.path))}[/]: {u.turns} turns, decay {u.decay}, {len(u.layers)} layers x {facts.num_experts} experts")
     out.print("  hottest " + ", ".join(f"{int(f * 100)}% of experts carry {v:.1%}" for f, v in conc.items()))
     table = Table("rank", "layer", "expert", "count", "of layer", "of all")
     for rank, h in enumerate(hot, 1):

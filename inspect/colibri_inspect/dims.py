@@ -41,7 +41,7 @@ class ModelDims:
     tie_word_embeddings: bool
 
     @classmethod
-    def from_config(cls, family: str, config: dict) -> "ModelDims":
+    def from_config(cls, family: str, config: dict) -> ModelDims:
         layers = _int(config, "num_hidden_layers")
         hidden = _int(config, "hidden_size")
         experts = _int(config, "n_routed_experts", "num_experts", "num_local_experts")

@@ -81,7 +81,7 @@ def check_drives(paths: list[Path], facts_by_path: dict[Path, list[Path]], probe
             continue
         by_device.setdefault(_device_of(files[0]), []).extend(files)
     checks = []
-    for dev, files in by_device.items():
+    for files in by_device.values():
         roots = sorted({str(f.parent) for f in files})
         try:
             bw = measure_read_bandwidth(files, max_bytes=probe_bytes, jobs=2)
@@ -134,7 +134,7 @@ def check_o_direct(path: Path) -> Check:
 def check_numba() -> Check:
     try:
         import numba
-    except Exception as exc:  # ImportError, or a broken llvmlite
+    except Exception as exc:  # noqa: BLE001 - a probe reports any failure  # ImportError, or a broken llvmlite
         return Check("numba", FAIL, f"numba does not import ({exc})", "pip install numba (the runtime's kernels need it)")
     start = time.perf_counter()
     try:
@@ -146,7 +146,7 @@ def check_numba() -> Check:
             return s
 
         assert _probe(10) == 45
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a probe reports any failure
         return Check("numba", FAIL, f"numba {numba.__version__} cannot compile ({exc})", "reinstall numba and llvmlite")
     return Check("numba", OK, f"numba {numba.__version__} compiles ({time.perf_counter() - start:.2f} s)")
 
@@ -162,7 +162,7 @@ def check_tokenizer(facts: ContainerFacts) -> Check:
 
         tok = Tokenizer.from_file(str(facts.path / name))
         size = tok.get_vocab_size()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a probe reports any failure
         return Check("tokenizer", FAIL, f"tokenizer.json does not load ({exc})", "re-download tokenizer.json")
     vocab = facts.dims.vocab
     if vocab and size > vocab:
@@ -173,7 +173,7 @@ def check_tokenizer(facts: ContainerFacts) -> Check:
 def check_family(family: str) -> Check:
     try:
         registry = importlib.import_module("colibri_runtime.families")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a probe reports any failure
         return Check("family", WARN, f"the runtime is not importable ({exc})", "install colibri with its runtime")
     get_family = getattr(registry, "get_family", None)
     if callable(get_family):
@@ -181,7 +181,7 @@ def check_family(family: str) -> Check:
             get_family(family)
         except ColibriError as exc:
             return Check("family", FAIL, str(exc), "upgrade Colibri, or run another model")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a probe reports any failure
             return Check("family", WARN, f"family {family!r} is registered but its module fails to import ({exc})",
                          "reinstall Colibri")
         return Check("family", OK, f"the runtime supports {family}")
@@ -231,4 +231,4 @@ def _gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-__all__ = ["Check", "run_doctor", "ready", "default_os_reserve"]
+__all__ = ["Check", "default_os_reserve", "ready", "run_doctor"]

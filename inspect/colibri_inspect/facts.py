@@ -40,7 +40,7 @@ class ContainerFacts:
     records_per_file: dict[str, list[tuple[int, int]]]  # expert data file -> (layer, expert) it holds
 
     @classmethod
-    def load(cls, path: Path | str) -> "ContainerFacts":
+    def load(cls, path: Path | str) -> ContainerFacts:
         path = Path(path)
         with Container.open(path) as c:
             by_role: dict[str, int] = {}

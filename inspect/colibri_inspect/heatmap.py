@@ -98,4 +98,4 @@ def concentration(counts: np.ndarray, fractions=(0.05, 0.10, 0.25, 0.50)) -> dic
     flat = np.sort(np.asarray(counts, dtype=np.float64).ravel())[::-1]
     total = float(flat.sum()) or 1.0
     cum = np.cumsum(flat)
-    return {f: float(cum[max(0, int(round(f * flat.size)) - 1)]) / total for f in fractions}
+    return {f: float(cum[max(0, round(f * flat.size) - 1)]) / total for f in fractions}

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from colibri_format.constants import EXPERT_INDEX_NAME, MANIFEST_NAME
 from colibri_format.errors import ColibriError, IntegrityError

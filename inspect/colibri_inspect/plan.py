@@ -150,7 +150,7 @@ def make_plan(inputs: PlanInputs, usage: np.ndarray | None = None) -> Plan:
     have_usage = usage is not None and usage.shape == (n_layers, n_experts) and float(usage.sum()) > 0
     pinned: list[tuple[int, int]] = []
     if have_usage:
-        n_pinned = int(math.floor(i.pin_fraction * slots))
+        n_pinned = math.floor(i.pin_fraction * slots)
         if n_pinned:
             order = np.argsort(-usage, axis=None, kind="stable")[:n_pinned]
             pinned = [(i.layers[int(f) // n_experts], int(f) % n_experts) for f in order]
@@ -161,7 +161,11 @@ def make_plan(inputs: PlanInputs, usage: np.ndarray | None = None) -> Plan:
             "every token reads most of its experts from disk"
         )
 
-    if have_usage:
+    if all_fit(slots, total_experts):
+        cache_per_layer = n_experts  # every expert stays in memory once read: nothing is ever evicted
+        hit = 1.0
+        source = "usage" if have_usage else "uniform"
+    elif have_usage:
         hit = covered_mass(usage, pinned_mask(usage.shape, pinned, i.layers), cache_per_layer)
         source = "usage"
     else:

@@ -47,7 +47,7 @@ from colibri_format.constants import (
     USAGE_FILE_NAME,
     Encoding,
 )
-from colibri_format.errors import FormatError
+from colibri_format.errors import ColibriError, FormatError
 from colibri_format.names import check_file_name
 from colibri_format.quant import stored_layout
 from colibri_format.records import RecordLayout, check_expert_file_header, record_layout, round_up
@@ -276,9 +276,9 @@ class _Verifier:
         if "fingerprint" in manifest and isinstance(manifest["fingerprint"], str):
             from colibri_format.writer import model_fingerprint
 
-            if self.files and len(self.files) == len(manifest["files"]):
-                if model_fingerprint(self.files) != manifest["fingerprint"]:
-                    self.error("manifest-field", "fingerprint does not match the listed files' sha256s", MANIFEST_NAME)
+            complete = self.files and len(self.files) == len(manifest["files"])
+            if complete and model_fingerprint(self.files) != manifest["fingerprint"]:
+                self.error("manifest-field", "fingerprint does not match the listed files' sha256s", MANIFEST_NAME)
         return True
 
     # --- files --------------------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ class _Verifier:
             return
         try:
             layout = stored_layout(encoding, shape)
-        except Exception as exc:  # QuantizationError for impossible shapes
+        except ColibriError as exc:  # QuantizationError for impossible shapes
             self.error("tensor-encoding", f"tensor {tensor!r}: {exc}", file)
             return
         segments = []
@@ -526,7 +526,7 @@ class _Verifier:
                     if not all(e in Encoding.ALL for e in encodings):
                         raise FormatError(f"unknown encodings {encodings}")
                     layouts[encodings] = record_layout({k: tuple(v) for k, v in shapes.items()}, encodings)
-                except Exception as exc:
+                except (ColibriError, KeyError, TypeError, ValueError) as exc:
                     self.error("index-row", f"{where}: {exc}", EXPERT_INDEX_NAME)
                     layouts[encodings] = None
             layout = layouts[encodings]
@@ -628,7 +628,7 @@ class _Verifier:
 
     def _scan_payloads(self) -> None:
         by_file: dict[str, list] = {}
-        for t_name, t in self.tensors.items():
+        for t in self.tensors.values():
             for stored_name, begin, end, dtype in t.segments:
                 if dtype in ("float16", "float32", "uint16") and (stored_name.endswith(SCALES_SUFFIX) or t.encoding
                                                                   not in Encoding.QUANTIZED):
