@@ -463,9 +463,8 @@ def test_compressed_state_per_token(pairs):
 def test_dsa_select_all_is_dense_bit_for_bit(pairs):
     pair = pairs["glm_moe_dsa"]
     ids = prompt_ids()
-    dense = runtime_model(pair, dsa_mode="off").prefill(
-        ids, None or runtime_model(pair, dsa_mode="off").new_state(), all_logits=True
-    )
+    off = runtime_model(pair, dsa_mode="off")
+    dense = off.prefill(ids, off.new_state(), all_logits=True)
     every = runtime_model(pair, dsa_mode="all")
     sparse = runtime_model(pair)
     got_all = every.prefill(ids, every.new_state(), all_logits=True)

@@ -127,7 +127,7 @@ def select(scores: np.ndarray, allowed: np.ndarray, topk: int, *, select_all: bo
 # --- the runtime indexer: deterministic scores, one row at a time ------------------------------------------------
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _index_scores_kernel(q, weights, keys, q_idx, scale, out):  # pragma: no cover - compiled
     """out[i, t] = sum_h weights[i, h] * relu(q[i, h] . keys[t] * scale) for t <= q_idx[i]; heads in order."""
     n, n_heads, d = q.shape

@@ -308,7 +308,7 @@ def _dot(a, b, n):  # pragma: no cover - compiled
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def _mla_absorbed_kernel(q_nope, q_pe, w_uk, w_uv, latent, k_pe, q_pos, sel, sel_count, scaling, out):
     """out[i, h] = W_uv[h] @ sum_t softmax_t((q_nope W_uk . latent_t + q_pe . k_pe_t) * scaling) latent_t.
 
