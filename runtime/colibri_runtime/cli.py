@@ -111,7 +111,7 @@ def chat(
     session: Optional[str] = typer.Option(None, help="Name of a persistent session (kept across runs)."),
 ) -> None:
     """Interactive multi-turn chat with a status line after each answer."""
-    from .generate import GenerationStats, format_stats
+    from .generate import GenerationStats, continue_state, format_stats
 
     try:
         params = _params(temperature, top_p, top_k, seed, repetition_penalty)
@@ -144,11 +144,8 @@ def chat(
                 typer.echo(format_stats(totals), err=True)
                 continue
             messages.append({"role": "user", "content": text})
-            full = tokenizer.encode_chat(messages)
-            if full[: state.length] != state.tokens:
-                # The template re-rendered earlier turns differently: start the state over from the full prompt.
-                state = mdl.new_state()
-            new_ids = full[state.length:]
+            # Keep the attention state when the rendered conversation extends it; re-prefill otherwise.
+            state, new_ids = continue_state(mdl, state, tokenizer.encode_chat(messages))
             answer = []
             stats = GenerationStats()
             try:

@@ -167,6 +167,16 @@ class Generator:
         return GenerationResult(tokens, "".join(text), stats.finish_reason, stats)
 
 
+def continue_state(model: DecoderModel, state: SequenceState, full_prompt: Sequence[int]
+                   ) -> tuple[SequenceState, list[int]]:
+    """The state and the tokens still to feed for a conversation whose whole rendered prompt is `full_prompt`:
+    the kept state when it is a prefix of the prompt (no re-prefill), else a fresh state and the whole prompt."""
+    full = [int(t) for t in full_prompt]
+    if state.length <= len(full) and full[: state.length] == state.tokens:
+        return state, full[state.length:]
+    return model.new_state(), full
+
+
 def greedy_tokens(model: DecoderModel, prompt: Sequence[int], n: int) -> list[int]:
     """n greedy tokens (no stop rule): the oracle tests' reference loop."""
     gen = Generator(model)
