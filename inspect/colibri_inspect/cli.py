@@ -116,7 +116,7 @@ def info(path: Path = typer.Argument(..., help="Container directory"), as_json: 
     )
     out.print(f"  records       {data['experts']['records']} in {len(data['files']['experts'])} data files, layers "
               f"{_span(data['experts']['layers'])}")
-    out.print("  recipe        " + ", ".join(f"{k}={v}" for k, v in data["recipe"].items()))
+    out.print("  recipe        " + (", ".join(f"{k}={v}" for k, v in data["recipe"].items()) or "-"))
     out.print(
         f"  sizes         resident {human(s['resident'])}, mtp {human(s['mtp'])}, experts {human(s['experts'])}, "
         f"total {human(s['total'])}"
@@ -315,7 +315,10 @@ def plan(
         emit_json(data)
         return
     i = p.inputs
-    out.print(f"[bold]plan for {escape(str(path))}[/] with {human(i.ram_bytes)} RAM" + (f", {human(i.vram_bytes)} VRAM" if i.vram_bytes else ""))
+    out.print(
+        f"[bold]plan for {escape(str(path))}[/] with {ram:g} GB RAM ({human(i.ram_bytes)})"
+        + (f", {vram:g} GB VRAM ({human(i.vram_bytes)})" if i.vram_bytes else "")
+    )
     out.print(f"  resident      dense weights {human(i.dense_bytes)}{' (with MTP)' if mtp else ''}"
               + ("" if p.dense_fits else " [red]does not fit[/]"))
     out.print(f"  reserved      KV cache {human(p.kv_bytes)} ({context} tokens), buffers {human(i.working_bytes)}, "
