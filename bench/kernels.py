@@ -19,9 +19,9 @@ import time
 
 import numba
 import numpy as np
+from colibri_runtime.kernels import linear, prepare_weight
 
 from colibri_format.quant import quantize
-from colibri_runtime.kernels import linear, prepare_weight
 
 # (label, out_features, in_features): OLMoE-1B-7B expert projections, its attention and a wide matrix.
 SHAPES = (
@@ -61,8 +61,8 @@ def run(rows: int, repeats: int) -> dict:
             x1 = rng.standard_normal((1, in_f)).astype(np.float32)
             xn = rng.standard_normal((rows, in_f)).astype(np.float32)
             inner = max(1, int(2e8 // max(pw.nbytes, 1)))
-            t1 = best_time(lambda: linear(x1, pw), repeats, inner)
-            tn = best_time(lambda: linear(xn, pw), repeats, max(1, inner // 8))
+            t1 = best_time(lambda x1=x1, pw=pw: linear(x1, pw), repeats, inner)
+            tn = best_time(lambda xn=xn, pw=pw: linear(xn, pw), repeats, max(1, inner // 8))
             results.append({
                 "shape": label, "out": out_f, "in": in_f, "encoding": enc, "packed_bytes": pw.nbytes,
                 "one_row_us": t1 * 1e6, "one_row_gbps": pw.nbytes / t1 / 1e9,
@@ -86,7 +86,7 @@ def main() -> None:
                 or platform.machine(), "cores": os.cpu_count(), "load_average": os.getloadavg()})
     print(f"memory bandwidth (numpy copy, read+write): {bw:.1f} GB/s; numba threads {out['threads']}; "
           f"load average {out['load_average'][0]:.1f}")
-    print(f"{'shape':<22} {'enc':<10} {'1 row us':>9} {'1 row GB/s':>11} {'x bw':>6} {'%d rows GFLOP/s' % args.rows:>16}")
+    print(f"{'shape':<22} {'enc':<10} {'1 row us':>9} {'1 row GB/s':>11} {'x bw':>6} {f'{args.rows} rows GFLOP/s':>16}")
     for r in out["results"]:
         r["one_row_vs_bandwidth"] = r["one_row_gbps"] / bw
         print(f"{r['shape']:<22} {r['encoding']:<10} {r['one_row_us']:>9.1f} {r['one_row_gbps']:>11.2f} "

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-
 import tiny_models
+import torch
 
 
 @dataclass

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
-
+import runtime_oracle
 from colibri_runtime.cli import app
 from colibri_runtime.generate import Generator
 from colibri_runtime.loader import load_model
 from colibri_runtime.sampling import SamplingParams
 from colibri_runtime.tokenizer import ChatTokenizer
-
-import runtime_oracle
+from typer.testing import CliRunner
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ import math
 import numba
 import numpy as np
 import pytest
-
-from colibri_format.constants import Encoding
-from colibri_format.quant import dequantize, quantize
 from colibri_runtime import kernels
 from colibri_runtime.layers import RMSNorm, SigmoidRouter, SoftmaxRouter, causal_attention, compute_inv_freq
 from colibri_runtime.sampling import Sampler, SamplingParams, filter_top_p
 from colibri_runtime.weights import Linear
+
+from colibri_format.constants import Encoding
+from colibri_format.quant import dequantize, quantize
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from colibri_format.errors import RuntimeModelError
+import runtime_oracle
 from colibri_runtime.generate import Generator, greedy_tokens
 from colibri_runtime.loader import load_model
 from colibri_runtime.sampling import SamplingParams
 
-import runtime_oracle
+from colibri_format.errors import RuntimeModelError
 
 FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 LOGIT_TOL_REL = 2e-5

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -43,7 +42,7 @@ def _open(model_dir: Path):
     return model, tokenizer, Generator(model, tokenizer)
 
 
-def _params(temperature: float, top_p: float, top_k: int, seed: Optional[int], repetition_penalty: float):
+def _params(temperature: float, top_p: float, top_k: int, seed: int | None, repetition_penalty: float):
     from .sampling import SamplingParams
 
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -53,14 +52,14 @@ def _params(temperature: float, top_p: float, top_k: int, seed: Optional[int], r
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
-    model: Path = typer.Option(..., "--model", "-m", help="Colibri container directory."),
+    model: Path = typer.Option(..., "--model", "-m", help="Colibri container directory."),  # noqa: B008
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    seed: int | None = typer.Option(None, help="Random seed for sampling."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1 = off."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop when the text contains this string (repeatable)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop when the text contains this string (repeatable)."),  # noqa: B008
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print run statistics to stderr at the end."),
 ) -> None:
@@ -100,15 +99,15 @@ def _status_line(stats) -> str:
 
 @app.command()
 def chat(
-    model: Path = typer.Option(..., "--model", "-m", help="Colibri container directory."),
+    model: Path = typer.Option(..., "--model", "-m", help="Colibri container directory."),  # noqa: B008
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: Optional[int] = typer.Option(None),
+    seed: int | None = typer.Option(None),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    system: Optional[str] = typer.Option(None, help="A system message opening the conversation."),
-    session: Optional[str] = typer.Option(None, help="Name of a persistent session (kept across runs)."),
+    system: str | None = typer.Option(None, help="A system message opening the conversation."),
+    session: str | None = typer.Option(None, help="Name of a persistent session (kept across runs)."),
 ) -> None:
     """Interactive multi-turn chat with a status line after each answer."""
     from .generate import GenerationStats, continue_state, format_stats

@@ -27,7 +27,7 @@ def rss_bytes() -> int:
         import psutil
 
         return int(psutil.Process(os.getpid()).memory_info().rss)
-    except Exception:  # psutil missing or unsupported platform
+    except (ImportError, OSError):  # psutil missing or unsupported platform
         return peak_rss_bytes()
 
 
@@ -88,7 +88,7 @@ class Generator:
 
     # --- layer 2: stream ---------------------------------------------------------------------------------------
 
-    def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
+    def stream(self, prompt: Sequence[int], params: SamplingParams | None = None, max_tokens: int = 256,
                state: SequenceState | None = None, stop_ids: Sequence[int] | None = None,
                stop_strings: Sequence[str] = (), stats: GenerationStats | None = None) -> Iterator[StreamEvent]:
         """Yield generated tokens with their printable text. Stops on an end-of-sequence id (not yielded), when
@@ -97,7 +97,7 @@ class Generator:
         state = state if state is not None else self.model.new_state()
         stats = stats if stats is not None else GenerationStats()
         stop_ids = set(self.tokenizer.eos_ids if stop_ids is None and self.tokenizer is not None else stop_ids or ())
-        sampler = Sampler(params)
+        sampler = Sampler(params if params is not None else SamplingParams())
         before = self.model.experts.stats.snapshot()
         start = time.perf_counter()
         stats.prompt_tokens = len(prompt)
@@ -156,7 +156,7 @@ class Generator:
 
     # --- layer 3: whole answers --------------------------------------------------------------------------------
 
-    def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
+    def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, max_tokens: int = 256,
                  state: SequenceState | None = None, stop_ids: Sequence[int] | None = None,
                  stop_strings: Sequence[str] = ()) -> GenerationResult:
         stats = GenerationStats()

@@ -24,9 +24,8 @@ import numba
 import numpy as np
 
 from colibri_format.constants import GROUP_SIZE, Encoding
-from colibri_format.quant import QuantizedTensor, dequantize
-
 from colibri_format.errors import RuntimeModelError
+from colibri_format.quant import QuantizedTensor, dequantize
 
 LANES = GROUP_SIZE // 2
 

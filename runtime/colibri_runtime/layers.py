@@ -248,8 +248,7 @@ def _causal_attention(q, k, v, q_pos, scaling, window, out):  # pragma: no cover
                 s += q[i, h, j] * k[first + t, kh, j]
             s = s * scaling
             scores[t] = s
-            if s > m:
-                m = s
+            m = max(m, s)
         total = np.float32(0.0)
         for t in range(count):
             e = np.exp(scores[t] - m)

@@ -28,8 +28,9 @@ sequences at once (batch-union of experts); attention runs per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
