@@ -205,3 +205,16 @@ def test_deep_verify_reads_large_records_across_chunks(tmp_path):
     r = verify_container(c, deep=True, chunk_bytes=4096 + 37)
     assert [f.code for f in r.findings] == ["non-finite"]
     assert np.isfinite(r.read_seconds)
+
+
+def test_crc_only_deep_verify_still_names_corrupt_records(c):
+    loc = Container.open(c).record_location(2, 0)
+    raw = bytearray((c / loc.file).read_bytes())
+    raw[loc.offset + 3] ^= 0x10
+    (c / loc.file).write_bytes(bytes(raw))
+    r = verify_container(c, deep=True, crc_only=True)
+    assert [f.code for f in r.findings] == ["record-crc"]  # no sha256 of expert data files in this mode
+    m = manifest(c)
+    m["files"]["resident-00001.safetensors"]["sha256"] = "0" * 64
+    write_manifest(c, m)
+    assert {"record-crc", "file-sha256"} <= verify_container(c, deep=True, crc_only=True).codes

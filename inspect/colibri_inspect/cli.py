@@ -145,6 +145,9 @@ def verify(
     path: Path = typer.Argument(..., help="Container directory"),
     deep: bool = typer.Option(False, "--deep", help="Also read every byte: checksums, finite scales"),
     as_json: bool = typer.Option(False, "--json"),
+    crc_only: bool = typer.Option(
+        False, "--crc-only", help="With --deep: check expert data files by record crc32 only, not sha256 (faster on slow CPUs)"
+    ),
     jobs: int | None = typer.Option(None, "--jobs", help="Files read at once (default: half the cores, at most 8)"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
@@ -153,7 +156,7 @@ def verify(
 
     total = bytes_to_scan(path) if deep else 0
     with byte_progress(total, "verifying", progress and not as_json) as advance:
-        report = verify_container(path, deep=deep, progress=advance, jobs=jobs)
+        report = verify_container(path, deep=deep, progress=advance, jobs=jobs, crc_only=crc_only)
     if as_json:
         emit_json(report.to_json())
         raise typer.Exit(0 if report.ok else 1)
@@ -163,7 +166,7 @@ def verify(
         out.print(f"[{colour}]{f.severity:7}[/] {escape(f'[{f.code}] {where}{f.message}')}")
     for code, n in report.suppressed.items():
         out.print(f"[dim]... and {n} more {escape(f'[{code}]')} findings[/]")
-    kind = "deep" if deep else "fast"
+    kind = ("deep (crc only)" if crc_only else "deep") if deep else "fast"
     summary = (
         f"{kind} verify: {report.files_checked} files, {report.tensors_checked} tensors, "
         f"{report.records_checked} expert records; {len(report.errors)} errors, {len(report.warnings)} warnings "

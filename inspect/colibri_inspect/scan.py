@@ -113,17 +113,26 @@ def scan_file(
 def scan_files(
     jobs_list: list[tuple[Path, Callable[[int, memoryview], None] | None]],
     *,
+    hash_sha256: set[Path] | None = None,
     progress: Progress | None = None,
     jobs: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> list[FileScan]:
-    """Scan several files, `jobs` at a time, largest first; results in the order given."""
+    """Scan several files, `jobs` at a time, largest first; results in the order given. With `hash_sha256`, only
+    the files in it are hashed."""
     jobs = jobs or default_jobs()
     order = sorted(range(len(jobs_list)), key=lambda i: -_size(jobs_list[i][0]))
     results: list[FileScan | None] = [None] * len(jobs_list)
     with ThreadPoolExecutor(jobs) as pool:
         futures = {
-            pool.submit(scan_file, jobs_list[i][0], on_chunk=jobs_list[i][1], progress=progress, chunk_bytes=chunk_bytes): i
+            pool.submit(
+                scan_file,
+                jobs_list[i][0],
+                on_chunk=jobs_list[i][1],
+                hash_sha256=hash_sha256 is None or jobs_list[i][0] in hash_sha256,
+                progress=progress,
+                chunk_bytes=chunk_bytes,
+            ): i
             for i in order
         }
         for fut, i in futures.items():
