@@ -26,6 +26,8 @@ import os
 import shutil
 import signal
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,13 +46,12 @@ from colibri_format.constants import (
     Encoding,
 )
 from colibri_format.errors import ColibriError, ConversionError
-from colibri_format.quant import QuantizedTensor, quantize, relative_rmse
+from colibri_format.quant import QuantizedTensor, quantize
 from colibri_format.safetensors_io import (
     DTYPES,
     NUMPY_TO_DTYPE,
     FileInfo,
     SafetensorsFile,
-    sha256_file,
     write_arrays,
 )
 from colibri_format.writer import (
@@ -63,6 +64,8 @@ from colibri_format.writer import (
 
 from .families import ModelPlan, plan_for
 from .families._base import MTP, ExpertPart, FusedExperts, Resident, resolve
+from .fastquant import FAST_ENCODINGS, encode_bf16, relative_error, warm_up
+from .shardio import ShardReader
 from .sources import Source
 from .tensors import FP8_DTYPES, SCALE_SUFFIX, fp8_to_f32, to_f32
 
@@ -294,10 +297,85 @@ class _UnitWork:
     dtypes: set[str] = field(default_factory=set)
 
 
+class _ExpertSink:
+    """Writes a unit's expert records in (layer, expert) order as soon as each one and all before it are encoded."""
+
+    def __init__(self, path: Path, expected: list[tuple[int, int]], pool: PendingPool):
+        self.expected = expected
+        self.pool = pool
+        self.entries: list[IndexEntry] = []
+        self._next = 0
+        self._writer = ExpertFileWriter(path)
+
+    def flush(self) -> None:
+        parts = self.pool.parts
+        while self._next < len(self.expected):
+            layer, expert = self.expected[self._next]
+            if not all((layer, expert, p) in parts for p in PARTS):
+                return
+            gate, up, down = (parts.pop((layer, expert, p)) for p in PARTS)
+            self.entries.append(self._writer.append(layer, expert, gate, up, down))
+            self._next += 1
+
+    def close(self) -> FileInfo:
+        self.flush()
+        if self._next != len(self.expected):
+            layer, expert = self.expected[self._next]
+            raise ConversionError(f"internal: expert {expert} of layer {layer} was expected in this unit but not made")
+        return self._writer.close()
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+class _Jobs:
+    """Encodings running on the encoder threads, placed in submission order, and every tensor's error record."""
+
+    def __init__(self, executor: ThreadPoolExecutor, sink: _ExpertSink | None, limit: int):
+        self.executor = executor
+        self.sink = sink
+        self.limit = limit  # encodings in flight; each holds a view of a read batch
+        self.inflight: deque = deque()
+        self.records: list[tuple] = []
+
+    def submit(self, key: tuple, label: str, tensor_class: str, raw: np.ndarray, encoding: str, place) -> None:
+        future = self.executor.submit(encode_bf16, raw, encoding)
+        self.inflight.append((future, key, label, tensor_class, raw.size * 4, place))
+        while len(self.inflight) > self.limit:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        future, key, label, tensor_class, source_bytes, place = self.inflight.popleft()
+        qt, rmse = future.result()
+        self.done(key, label, tensor_class, rmse, source_bytes, qt, place)
+
+    def done(self, key: tuple, label: str, tensor_class: str, rmse: float, source_bytes: int, qt: QuantizedTensor,
+             place) -> None:
+        self.records.append((key, tensor_class, label, rmse, source_bytes, qt.nbytes))
+        place(qt)
+        if self.sink is not None:
+            self.sink.flush()
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._finish_oldest()
+
+    def cancel(self) -> None:
+        for future, *_ in self.inflight:
+            future.cancel()
+        for future, *_ in self.inflight:
+            if not future.cancelled():
+                future.exception()  # wait: a running encoding must not outlive its source buffer's owner
+        self.inflight.clear()
+
+
 class Converter:
     def __init__(self, source: Source, out_dir: Path, recipe: dict[str, str] | None = None, *,
-                 min_free_gb: float = 0.0, restart: bool = False, progress: ProgressSink | None = None):
+                 min_free_gb: float = 0.0, restart: bool = False, progress: ProgressSink | None = None,
+                 workers: int | None = None):
         self.source = source
+        self.workers = max(1, workers or min(4, os.cpu_count() or 1))
+        self._executor: ThreadPoolExecutor | None = None
         self.out_dir = Path(out_dir)
         self.recipe = make_recipe(recipe)
         self.min_free_bytes = int(min_free_gb * GB)
@@ -366,10 +444,13 @@ class Converter:
         self._lock()
         finished = False
         try:
-            summary = self._run_locked()
+            warm_up()
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="colibri-encode") as self._executor:
+                summary = self._run_locked()
             finished = True
             return summary
         finally:
+            self._executor = None
             self._unlock(remove=finished)
 
     def _run_locked(self) -> ConversionSummary:
@@ -468,30 +549,32 @@ class Converter:
         pool = self._pending_pool(states)
         before = set(pool.keys())
         scratch = self.state_dir / "download"
+        files: dict[str, list[FileInfo]] = {}
         with self.source.open_shard(shard, scratch) as path:
             shard_size = path.stat().st_size
-            sha = sha256_file(path)
             sf = SafetensorsFile(path)
+            reader = ShardReader(path, sf.header)
             try:
-                work, experts = self._convert_tensors(sf, pool, shard)
+                expected = self._experts_completed_by(sf, pool)
+                sink = _ExpertSink(self.parts_dir / f"experts-u{i:05d}.colx", expected, pool) if expected else None
+                try:
+                    work = self._convert_tensors(sf, reader, pool, shard, sink)
+                    if sink is not None:
+                        files["experts"] = [sink.close()]
+                except BaseException:
+                    if sink is not None:
+                        sink.abort()
+                    raise
+                sha = reader.sha256()
             finally:
+                reader.close()
                 sf.close()
-        files: dict[str, list[FileInfo]] = {}
         if work.resident:
             files["resident"] = [write_safetensors(self.parts_dir / f"resident-u{i:05d}.safetensors", work.resident)]
         if work.mtp:
             files["mtp"] = [write_safetensors(self.parts_dir / f"mtp-u{i:05d}.safetensors", work.mtp)]
-        entries: list[IndexEntry] = []
-        if experts:
-            writer = ExpertFileWriter(self.parts_dir / f"experts-u{i:05d}.colx")
-            try:
-                for (layer, expert) in sorted(experts):
-                    p = experts[(layer, expert)]
-                    entries.append(writer.append(layer, expert, p["gate"], p["up"], p["down"]))
-            except BaseException:
-                writer.abort()
-                raise
-            files["experts"] = [writer.close()]
+        files = {role: files[role] for role in ("resident", "mtp", "experts") if role in files}
+        entries: list[IndexEntry] = sink.entries if sink is not None else []
         after = set(pool.keys())
         pending_file = None
         if after - before:
@@ -511,105 +594,152 @@ class Converter:
     def _encoding(self, tensor_class: str) -> str:
         return self.recipe[tensor_class]
 
-    def _encode(self, name: str, value: np.ndarray, tensor_class: str, stats: dict[str, ClassStats]) -> QuantizedTensor:
-        qt = quantize(value, self._encoding(tensor_class))
-        rmse = relative_rmse(value, qt) if qt.encoding != Encoding.F32 else 0.0
-        stats.setdefault(tensor_class, ClassStats()).add(name, rmse, value.size * 4, qt.nbytes)
-        return qt
+    def _experts_completed_by(self, sf: SafetensorsFile, pool: PendingPool) -> list[tuple[int, int]]:
+        """The experts whose three parts this unit will hold once its tensors are encoded, in record order.
 
-    def _convert_tensors(self, sf: SafetensorsFile, pool: PendingPool, shard: str):
-        plan = self.plan
+        Mirrors the decisions of `_convert_tensors` (an FP8 weight without its scale waits for a later unit)."""
+        tensors = sf.header.tensors
+        parts = set(pool.parts)
+        for name in sf.names:
+            if name.endswith(SCALE_SUFFIX):
+                base = name[: -len(SCALE_SUFFIX)]
+                if base in tensors or base not in pool.raw:
+                    continue
+                dtype = pool.raw[base][0]
+                name = base
+            else:
+                dtype = tensors[name].dtype
+                if dtype in FP8_DTYPES and name + SCALE_SUFFIX not in tensors and name + SCALE_SUFFIX not in pool.raw:
+                    continue
+            kind = resolve(self.plan, name)
+            if isinstance(kind, ExpertPart):
+                parts.add((kind.layer, kind.expert, kind.part))
+            elif isinstance(kind, FusedExperts):
+                which = ("gate", "up") if kind.which == "gate_up" else ("down",)
+                parts.update((kind.layer, x, p) for x in range(self.plan.expert_layers[kind.layer].num_experts)
+                             for p in which)
+        return sorted({(layer, x) for (layer, x, _) in parts if all((layer, x, p) in parts for p in PARTS)})
+
+    def _convert_tensors(self, sf: SafetensorsFile, reader: ShardReader, pool: PendingPool, shard: str,
+                         sink: _ExpertSink | None) -> _UnitWork:
+        """Encode every tensor of the shard, in file order, on the encoder threads; returns the resident ones."""
         names = sf.names
         self._check_names(names)
         in_shard = set(names)
+        position = {n: k for k, n in enumerate(names)}
         work = _UnitWork()
+        jobs = _Jobs(self._executor, sink, limit=2 * self.workers + 2)
         self.progress.unit_start(shard, sum(e.end - e.begin for e in sf.header.tensors.values()), len(names))
 
-        def raw_of(name: str) -> tuple[str, np.ndarray] | None:
+        def raw_of(name: str, streamed: np.ndarray | None = None) -> tuple[str, np.ndarray] | None:
             if name in in_shard:
-                return sf.header.tensors[name].dtype, sf.array(name)
+                return sf.header.tensors[name].dtype, (streamed if streamed is not None else sf.array(name))
             return pool.raw.pop(name, None)
 
-        for name in names:
-            entry = sf.header.tensors[name]
-            nbytes = entry.end - entry.begin
-            if name.endswith(SCALE_SUFFIX):
-                base = name[: -len(SCALE_SUFFIX)]
-                if base in in_shard:
-                    self.progress.tensor_done(nbytes)
-                    continue  # consumed with its weight
-                if base not in pool.raw:
-                    pool.raw[name] = (entry.dtype, np.array(sf.array(name)))  # weight comes in a later shard
-                    self.progress.tensor_done(nbytes)
-                    continue
-                name = base  # the weight arrived earlier and waited for this scale
-            kind = resolve(plan, name)
-            dtype, raw = raw_of(name)
-            work.dtypes.add(dtype)
-            scale = None
-            if dtype in FP8_DTYPES:
-                scale_entry = raw_of(name + SCALE_SUFFIX)
-                if scale_entry is None:
-                    pool.raw[name] = (dtype, np.array(raw))  # its scale comes in a later shard
-                    self.progress.tensor_done(nbytes)
-                    continue
-                scale = to_f32(scale_entry[1], scale_entry[0], name + SCALE_SUFFIX)
-            if isinstance(kind, Resident):
-                self._resident(name, kind, dtype, raw, scale, work)
-            elif isinstance(kind, ExpertPart):
-                self._expert_part(name, kind, dtype, raw, scale, pool, work)
-            elif isinstance(kind, FusedExperts):
-                self._fused(name, kind, dtype, raw, scale, pool, work)
-            self.progress.tensor_done(nbytes)
-        experts = {}
-        for (layer, expert, _part) in sorted(pool.parts):
-            if all((layer, expert, p) in pool.parts for p in PARTS):
-                experts[(layer, expert)] = {p: pool.parts[(layer, expert, p)] for p in PARTS}
-        for (layer, expert) in experts:
-            for p in PARTS:
-                del pool.parts[(layer, expert, p)]
-        return work, experts
+        try:
+            for entry, array in reader:
+                name = entry.name
+                nbytes = entry.end - entry.begin
+                key = position[name]
+                streamed = array
+                if name.endswith(SCALE_SUFFIX):
+                    base = name[: -len(SCALE_SUFFIX)]
+                    if base in in_shard:
+                        self.progress.tensor_done(nbytes)
+                        continue  # consumed with its weight
+                    if base not in pool.raw:
+                        pool.raw[name] = (entry.dtype, np.array(array))  # weight comes in a later shard
+                        self.progress.tensor_done(nbytes)
+                        continue
+                    name, streamed = base, None  # the weight arrived earlier and waited for this scale
+                kind = resolve(self.plan, name)
+                dtype, raw = raw_of(name, streamed)
+                work.dtypes.add(dtype)
+                scale = None
+                if dtype in FP8_DTYPES:
+                    scale_entry = raw_of(name + SCALE_SUFFIX)
+                    if scale_entry is None:
+                        pool.raw[name] = (dtype, np.array(raw))  # its scale comes in a later shard
+                        self.progress.tensor_done(nbytes)
+                        continue
+                    scale = to_f32(scale_entry[1], scale_entry[0], name + SCALE_SUFFIX)
+                if isinstance(kind, Resident):
+                    self._resident(key, name, kind, dtype, raw, scale, work, jobs)
+                elif isinstance(kind, ExpertPart):
+                    self._expert_part(key, name, kind, dtype, raw, scale, pool, jobs)
+                elif isinstance(kind, FusedExperts):
+                    self._fused(key, name, kind, dtype, raw, scale, pool, jobs)
+                self.progress.tensor_done(nbytes)
+            jobs.drain()
+        finally:
+            jobs.cancel()
+        for _, cls, label, rmse, source_bytes, stored_bytes in sorted(jobs.records):
+            work.stats.setdefault(cls, ClassStats()).add(label, rmse, source_bytes, stored_bytes)
+        return work
+
+    def _encode(self, key: tuple, label: str, tensor_class: str, dtype: str, raw: np.ndarray,
+                scale: np.ndarray | None, jobs: _Jobs, place) -> None:
+        """Encode one 2D-or-more source array with the recipe; `place(qt)` receives the result, maybe later."""
+        encoding = self._encoding(tensor_class)
+        if dtype == "BF16" and scale is None and encoding in FAST_ENCODINGS:
+            jobs.submit(key, label, tensor_class, raw, encoding, place)
+            return
+        value = self._value(label, dtype, raw, scale)
+        qt = quantize(value, encoding)
+        jobs.done(key, label, tensor_class, relative_error(value, qt), value.size * 4, qt, place)
 
     @staticmethod
     def _value(name: str, dtype: str, raw: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
         return fp8_to_f32(raw, scale, name) if scale is not None else to_f32(raw, dtype, name)
 
-    def _resident(self, name, kind: Resident, dtype, raw, scale, work: _UnitWork) -> None:
+    def _resident(self, key, name, kind: Resident, dtype, raw, scale, work: _UnitWork, jobs: _Jobs) -> None:
         if tuple(raw.shape) != kind.spec.shape:
             raise ConversionError(
                 f"tensor {name} has shape {list(raw.shape)}, config.json implies {list(kind.spec.shape)}; the "
                 "checkpoint and its config disagree"
             )
-        value = self._value(name, dtype, raw, scale)
-        qt = self._encode(kind.name, value, kind.spec.tensor_class, work.stats)
-        (work.mtp if kind.spec.group == MTP else work.resident)[kind.name] = qt
+        target = work.mtp if kind.spec.group == MTP else work.resident
+        self._encode((key, 0), kind.name, kind.spec.tensor_class, dtype, raw, scale, jobs,
+                     lambda qt, n=kind.name: target.__setitem__(n, qt))
 
-    def _expert_part(self, name, kind: ExpertPart, dtype, raw, scale, pool: PendingPool, work: _UnitWork) -> None:
+    def _expert_part(self, key, name, kind: ExpertPart, dtype, raw, scale, pool: PendingPool, jobs: _Jobs) -> None:
         want = self.plan.expert_shapes[kind.part]
         if tuple(raw.shape) != tuple(want):
             raise ConversionError(
                 f"expert tensor {name} has shape {list(raw.shape)}, config.json implies {list(want)}"
             )
-        value = self._value(name, dtype, raw, scale)
-        pool.parts[(kind.layer, kind.expert, kind.part)] = self._encode(name, value, kind.tensor_class, work.stats)
+        slot = (kind.layer, kind.expert, kind.part)
+        self._encode((key, 0), name, kind.tensor_class, dtype, raw, scale, jobs,
+                     lambda qt: pool.parts.__setitem__(slot, qt))
 
-    def _fused(self, name, kind: FusedExperts, dtype, raw, scale, pool: PendingPool, work: _UnitWork) -> None:
+    def _fused(self, key, name, kind: FusedExperts, dtype, raw, scale, pool: PendingPool, jobs: _Jobs) -> None:
         e = self.plan.expert_layers[kind.layer].num_experts
         inter, hidden = self.plan.expert_shapes["gate"]
         want = (e, 2 * inter, hidden) if kind.which == "gate_up" else (e, hidden, inter)
         if tuple(raw.shape) != want:
             raise ConversionError(f"fused expert tensor {name} has shape {list(raw.shape)}, config.json implies "
                                   f"{list(want)}")
+
+        def placer(slot):
+            return lambda qt: pool.parts.__setitem__(slot, qt)
+
         for x in range(e):
-            value = self._value(f"{name}[{x}]", dtype, raw[x], None if scale is None else scale[x])
+            x_scale = None if scale is None else scale[x]
             if kind.which == "gate_up":
-                for part, rows in (("gate", value[:inter]), ("up", value[inter:])):
-                    label = f"{name}[{x}].{part}"
-                    pool.parts[(kind.layer, x, part)] = self._encode(label, np.ascontiguousarray(rows),
-                                                                     kind.tensor_class, work.stats)
+                piece_dtype = dtype
+                if dtype == "BF16" and x_scale is None:
+                    pieces = (("gate", raw[x][:inter]), ("up", raw[x][inter:]))
+                else:  # one float32 slice per expert, split in two
+                    value = self._value(f"{name}[{x}]", dtype, raw[x], x_scale)
+                    pieces = (("gate", np.ascontiguousarray(value[:inter])),
+                              ("up", np.ascontiguousarray(value[inter:])))
+                    piece_dtype = "F32"
+                for k, (part, rows) in enumerate(pieces):
+                    self._encode((key, 2 * x + k), f"{name}[{x}].{part}", kind.tensor_class, piece_dtype, rows,
+                                 None, jobs, placer((kind.layer, x, part)))
             else:
-                pool.parts[(kind.layer, x, "down")] = self._encode(f"{name}[{x}]", value, kind.tensor_class,
-                                                                   work.stats)
+                self._encode((key, 2 * x), f"{name}[{x}]", kind.tensor_class, dtype, raw[x], x_scale, jobs,
+                             placer((kind.layer, x, "down")))
 
     # --- completion and finalization ---
 
@@ -712,11 +842,15 @@ def _leftover_message(family: str, names: list[str]) -> str:
 
 
 def convert(source: Source, out_dir: Path, recipe: dict[str, str] | None = None, *, min_free_gb: float = 0.0,
-            restart: bool = False, progress: ProgressSink | None = None) -> ConversionSummary:
-    """Convert `source` into a container at `out_dir`, resuming a previous run with the same parameters."""
+            restart: bool = False, progress: ProgressSink | None = None,
+            workers: int | None = None) -> ConversionSummary:
+    """Convert `source` into a container at `out_dir`, resuming a previous run with the same parameters.
+
+    `workers` encoder threads (default: the CPU count, at most 4) encode while a reader thread reads ahead."""
     if isinstance(source, Source) and getattr(source, "scratch", "n/a") is None:
         source.scratch = Path(out_dir) / STATE_DIR / "download"
-    return Converter(source, out_dir, recipe, min_free_gb=min_free_gb, restart=restart, progress=progress).run()
+    return Converter(source, out_dir, recipe, min_free_gb=min_free_gb, restart=restart, progress=progress,
+                     workers=workers).run()
 
 
 __all__ = [
