@@ -147,7 +147,7 @@ def test_bad_file_starts_fresh_with_warning(tmp_path, damage):
     elif damage == "other_tag":
         lay = layout(tag="dsa=all")
     elif damage == "other_tokens":
-        prompt = [1, 5, 3, 4]
+        prompt = [7, 5, 3, 4]
     elif damage == "empty_file":
         path.write_bytes(b"")
     with pytest.warns(S.SessionWarning, match="starting fresh"):
@@ -157,6 +157,23 @@ def test_bad_file_starts_fresh_with_warning(tmp_path, damage):
     assert (tmp_path / "s.coli_kv.stale").exists()
     opened.file.close()
     assert S.read_session_file(path, lay).tokens.size == 0
+
+
+def test_a_prompt_that_diverges_reuses_the_common_prefix(tmp_path):
+    path = tmp_path / "s.coli_kv"
+    f = S.SessionFile.create(path, layout())
+    f.append([1, 2, 3], states(3))
+    f.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opened = S.open_session(path, layout(), [1, 2, 9, 4])
+    assert opened.status == "resumed" and opened.reuse == 2 and opened.feed == [9, 4]
+    np.testing.assert_array_equal(opened.states, states(3)[:2])
+    opened.file.close()
+    assert S.read_session_file(path, layout()).tokens.tolist() == [1, 2]  # the stale tail is gone
+    again = S.open_session(path, layout(), [1, 2])  # equal to the stored tokens: the last step is fed again
+    assert again.reuse == 0 and again.feed == [1, 2]
+    again.file.close()
 
 
 def test_second_writer_is_refused(tmp_path):

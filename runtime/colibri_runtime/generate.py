@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from colibri_format.errors import RuntimeModelError
 
 from .model import DecoderModel, SequenceState
 from .sampling import Sampler, SamplingParams
@@ -74,17 +76,28 @@ class GenerationResult:
 class Generator:
     """Runs one model for one conversation state at a time; `tokenizer` is needed only for text and stop strings."""
 
-    def __init__(self, model: DecoderModel, tokenizer=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+    def __init__(self, model: DecoderModel, tokenizer=None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 after_forward: Callable[[SequenceState, int], None] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
+        self.after_forward = after_forward  # called as (state, length before the forward) after every forward
         self.last_stats: GenerationStats | None = None
 
     # --- layer 1: one forward ----------------------------------------------------------------------------------
 
     def step(self, state: SequenceState, tokens: Sequence[int]) -> np.ndarray:
-        """Feed tokens (a prompt chunk or one generated token); returns the logits of the last one."""
-        return self.model.prefill(np.asarray(tokens, dtype=np.int64), state, chunk_size=self.prefill_chunk)[-1]
+        """Feed tokens (a prompt, in chunks, or one generated token); returns the logits of the last one."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) == 0:
+            raise RuntimeModelError("nothing to feed: the prompt is empty")
+        logits = None
+        for start in range(0, len(tokens), max(1, self.prefill_chunk)):
+            before = state.length
+            logits = self.model.forward([tokens[start:start + self.prefill_chunk]], [state])[0]
+            if self.after_forward is not None:
+                self.after_forward(state, before)
+        return logits[-1]
 
     # --- layer 2: stream ---------------------------------------------------------------------------------------
 

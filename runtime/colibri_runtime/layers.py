@@ -17,6 +17,7 @@ import numpy as np
 
 from colibri_format.errors import RuntimeModelError
 
+from . import timesplit
 from .weights import ExpertProvider, Linear
 
 F32 = np.float32
@@ -475,17 +476,19 @@ class MoE:
     act: str = "silu"
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        t0 = timesplit.clock()
         weights, ids = self.router.route(x)
         observe = getattr(self.experts, "observe_routing", None)
         if observe is not None:
             observe(self.layer, ids)
-        routed = self.routed(x, weights, ids)
-        if self.shared is None:
-            return routed
-        shared = self.shared(x)
-        if self.shared_gate is not None:
-            shared = sigmoid(self.shared_gate(x)) * shared
-        return routed + shared
+        out = self.routed(x, weights, ids)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        timesplit.SPLIT.moe += timesplit.clock() - t0
+        return out
 
     def routed(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray) -> np.ndarray:
         union = np.unique(ids)

@@ -38,6 +38,7 @@ from colibri_format.errors import RuntimeModelError
 from colibri_format.quant import QuantizedTensor, dequantize
 
 from .layers import RMSNorm
+from . import timesplit
 from .weights import ExpertProvider, Linear
 
 F32 = np.float32
@@ -60,11 +61,13 @@ class DecoderLayer:
 
     def forward(self, h: np.ndarray, segments: list[tuple[int, int]], positions: np.ndarray,
                 caches: list[Any], after_attention: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        t0 = timesplit.clock()
         normed = self.input_norm(h)
         attn = np.empty_like(h)
         for (start, stop), cache in zip(segments, caches):
             attn[start:stop] = self.attention(normed[start:stop], positions[start:stop], cache)
         h = h + attn
+        timesplit.SPLIT.attention += timesplit.clock() - t0
         if after_attention is not None:
             after_attention(h)
         return h + self.ffn(self.post_norm(h))

@@ -44,11 +44,11 @@ every record's crc must match. A file that fails any check, or that belongs to a
 another state tag, is not used: `open_session` warns (SessionWarning) and starts a fresh file, keeping the old one
 as `NAME.coli_kv.stale`.
 
-Resuming: the new prompt must start with the stored tokens. If it is longer, every record is reused and only the
-new tokens are fed. If it is exactly the stored tokens (continuing an interrupted answer), the records from the
-start of the last forward step on are dropped and that step is fed again: the same call on the same state, so the
-continuation is bit-identical to a session that was never interrupted. Any other prompt starts fresh, with a
-warning.
+Resuming: the records of the longest common prefix of the stored tokens and the new prompt are reused (a record's
+state depends only on the tokens up to it) and the rest of the prompt is fed. If the prompt is exactly the stored
+tokens (continuing an interrupted answer), the records from the start of the last forward step on are dropped and
+that step is fed again: the same call on the same state, so the continuation is bit-identical to a session that was
+never interrupted. A prompt that shares no leading token with the stored ones starts fresh, with a warning.
 
 Sessions live in the user's state directory (`state_dir()/sessions`: $COLIBRI_STATE_DIR, else
 $XDG_STATE_HOME/colibri, else ~/.local/state/colibri), never inside the container, which may be read-only.
@@ -328,14 +328,26 @@ class OpenedSession:
 
 
 def resume_point(stored_tokens: np.ndarray, flags: np.ndarray, prompt: list[int]) -> int | None:
-    """How many stored records a new prompt can reuse, or None when it does not start with the stored tokens."""
+    """How many stored records a new prompt can reuse, or None when it shares no leading token with them.
+
+    Each record's state depends only on the tokens up to it, so the records of the longest common prefix stay valid
+    whatever follows (a chat whose template re-renders the last answer differently reuses everything before it).
+    At least one prompt token is always left to feed, since its logits are needed; a prompt equal to the stored
+    tokens re-feeds their whole last forward step."""
     n = len(stored_tokens)
-    if len(prompt) < n or any(int(a) != int(b) for a, b in zip(stored_tokens, prompt[:n], strict=False)):
-        return None
-    if len(prompt) > n:
+    common = 0
+    for a, b in zip(stored_tokens, prompt, strict=False):
+        if int(a) != int(b):
+            break
+        common += 1
+    if common == 0:
+        return None if n else 0
+    if common == n and len(prompt) > n:
         return n
-    starts = np.flatnonzero(flags & FLAG_STEP_START)
-    return int(starts[-1]) if len(starts) else 0
+    if common == n == len(prompt):
+        starts = np.flatnonzero(flags & FLAG_STEP_START)
+        return int(starts[-1]) if len(starts) else 0
+    return min(common, len(prompt) - 1)
 
 
 def open_session(
