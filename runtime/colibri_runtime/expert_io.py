@@ -99,6 +99,9 @@ class RecordReader:
         self._fds: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self.busy_seconds = 0.0  # wall time with at least one read in flight: achieved GB/s = bytes / busy
 
     # --- set-up ---------------------------------------------------------------------------------------------------
 
@@ -178,9 +181,30 @@ class RecordReader:
                     self._fds[key] = fd
         return fd
 
+    def _begin_read(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = now
+            self._in_flight += 1
+        return now
+
+    def _end_read(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.busy_seconds += now - self._busy_since
+
     def _read_from(self, drive: Drive, file: str, offset: int, length: int) -> ReadResult:
         fd = self._fd(drive, file)
-        t0 = time.perf_counter()
+        t0 = self._begin_read()
+        try:
+            return self._read_into_buffer(drive, fd, file, offset, length, t0)
+        finally:
+            self._end_read()
+
+    def _read_into_buffer(self, drive: Drive, fd: int, file: str, offset: int, length: int, t0: float) -> ReadResult:
         if self.direct:
             size = -(-length // RECORD_ALIGNMENT) * RECORD_ALIGNMENT
             buf = mmap.mmap(-1, size)
