@@ -10,6 +10,7 @@ checksums (every record's crc32, every file's sha256) are the deep verification'
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import mmap
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .errors import FormatError, IntegrityError, VersionError
 from .names import check_file_name
 from .quant import QuantizedTensor, stored_layout
 from .records import RecordLayout, check_expert_file_header, decode_record, record_crc32, record_layout
-from .safetensors_io import DTYPES, SafetensorsFile, _reject_duplicates, read_header
+from .safetensors_io import DTYPES, SafetensorsFile, read_header, reject_duplicate_keys
 
 FILE_ROLES = ("verbatim", "resident", "mtp", "experts", "index")
 INDEX_COLUMNS = {
@@ -92,7 +93,7 @@ def load_manifest(path: Path) -> dict:
     if size > MAX_MANIFEST_BYTES:
         raise FormatError(f"{manifest_path}: manifest of {size} bytes exceeds the {MAX_MANIFEST_BYTES} byte limit")
     try:
-        manifest = json.loads(manifest_path.read_bytes(), object_pairs_hook=_reject_duplicates)
+        manifest = json.loads(manifest_path.read_bytes(), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{manifest_path}: not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
@@ -138,7 +139,7 @@ class Container:
     # --- opening and validation -----------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: Path | str) -> "Container":
+    def open(cls, path: Path | str) -> Container:
         path = Path(path)
         container = cls(path, load_manifest(path))
         try:
@@ -282,7 +283,7 @@ class Container:
             spans.setdefault(file, []).append((offset, offset + length, layer, expert))
         for file, file_spans in spans.items():
             file_spans.sort()
-            for (b0, e0, l0, x0), (b1, _, l1, x1) in zip(file_spans, file_spans[1:]):
+            for (_, e0, l0, x0), (b1, _, l1, x1) in itertools.pairwise(file_spans):
                 if b1 < e0:
                     raise FormatError(f"{file}: records of ({l0}, {x0}) and ({l1}, {x1}) overlap")
 
@@ -363,7 +364,7 @@ class Container:
     def _mmap(self, file: str) -> mmap.mmap:
         mm = self._mmaps.get(file)
         if mm is None:
-            f = open(self.path / file, "rb")
+            f = open(self.path / file, "rb")  # noqa: SIM115 - kept open while the container is
             self._files.append(f)
             mm = self._mmaps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return mm
@@ -409,7 +410,7 @@ class Container:
             f.close()
         self._files.clear()
 
-    def __enter__(self) -> "Container":
+    def __enter__(self) -> Container:
         return self
 
     def __exit__(self, *exc) -> None:

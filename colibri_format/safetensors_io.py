@@ -13,9 +13,9 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class FileInfo:
         return {"name": self.name, "size": self.size, "sha256": self.sha256}
 
     @classmethod
-    def from_json(cls, d: dict) -> "FileInfo":
+    def from_json(cls, d: dict) -> FileInfo:
         return cls(str(d["name"]), int(d["size"]), str(d["sha256"]))
 
 
@@ -91,7 +91,7 @@ class SafetensorsHeader:
     data_start: int
 
 
-def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     out: dict = {}
     for key, value in pairs:
         if key in out:
@@ -110,7 +110,7 @@ def parse_header(raw: bytes | memoryview, file_size: int, what: str) -> Safetens
     if 8 + header_len > file_size:
         raise FormatError(f"{what}: safetensors header ({header_len} bytes) runs past the end of the file")
     try:
-        header = json.loads(bytes(raw[8 : 8 + header_len]), object_pairs_hook=_reject_duplicates)
+        header = json.loads(bytes(raw[8 : 8 + header_len]), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{what}: safetensors header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -182,7 +182,7 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.header = read_header(self.path)
-        self._file = open(self.path, "rb")
+        self._file = open(self.path, "rb")  # noqa: SIM115 - kept open for the memory map
         size = self.path.stat().st_size
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
 

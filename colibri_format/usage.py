@@ -38,7 +38,7 @@ class UsageCounts:
     _pending: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
-    def empty(cls, fingerprint: str, layers: int, experts: int, decay: float = DEFAULT_DECAY) -> "UsageCounts":
+    def empty(cls, fingerprint: str, layers: int, experts: int, decay: float = DEFAULT_DECAY) -> UsageCounts:
         return cls(fingerprint, np.zeros((layers, experts), dtype=np.float32), decay, 0)
 
     @property
@@ -64,7 +64,7 @@ class UsageCounts:
     @classmethod
     def from_bytes(
         cls, data: bytes, *, expect_fingerprint: str | None = None, expect_dims: tuple[int, int] | None = None
-    ) -> "UsageCounts":
+    ) -> UsageCounts:
         if len(data) < _HEADER.size + _CRC.size:
             raise SidecarError(f"usage file is truncated ({len(data)} bytes)")
         magic, version, layers, experts, _, fp, decay, turns = _HEADER.unpack_from(data)
@@ -96,7 +96,7 @@ class UsageCounts:
     @classmethod
     def load(
         cls, path: Path, *, expect_fingerprint: str | None = None, expect_dims: tuple[int, int] | None = None
-    ) -> "UsageCounts":
+    ) -> UsageCounts:
         try:
             data = Path(path).read_bytes()
         except OSError as exc:

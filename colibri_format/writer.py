@@ -66,7 +66,7 @@ class IndexEntry:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "IndexEntry":
+    def from_json(cls, d: dict) -> IndexEntry:
         return cls(
             int(d["layer"]),
             int(d["expert"]),
@@ -85,7 +85,7 @@ class ExpertFileWriter:
         self.path = Path(path)
         check_file_name(self.path.name)
         self._tmp = self.path.with_name(self.path.name + ".partial")
-        self._file = open(self._tmp, "wb")
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - written across append() calls
         self._hash = hashlib.sha256()
         self._size = 0
         self._closed = False
@@ -178,9 +178,8 @@ def write_index(path: Path, entries: list[IndexEntry]) -> FileInfo:
     )
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    with pa.OSFile(str(tmp), "wb") as sink:
-        with pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -402,7 +401,7 @@ class ContainerWriter:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._state = "aborted"
 
-    def __enter__(self) -> "ContainerWriter":
+    def __enter__(self) -> ContainerWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -50,26 +50,15 @@ from colibri_format.constants import (
 from colibri_format.errors import ColibriError, FormatError
 from colibri_format.names import check_file_name
 from colibri_format.quant import stored_layout
+from colibri_format.reader import FILE_ROLES, INDEX_COLUMNS
 from colibri_format.records import RecordLayout, check_expert_file_header, record_layout, round_up
-from colibri_format.safetensors_io import DTYPES, _reject_duplicates, parse_header
+from colibri_format.safetensors_io import DTYPES, parse_header, reject_duplicate_keys
 
 from .dims import ModelDims
 from .scan import DEFAULT_CHUNK_BYTES, Progress, scan_files
 
 ERROR = "error"
 WARNING = "warning"
-FILE_ROLES = ("verbatim", "resident", "mtp", "experts", "index")
-INDEX_COLUMNS = {
-    "layer": "int32",
-    "expert": "int32",
-    "file": "string",
-    "offset": "uint64",
-    "length": "uint64",
-    "crc32": "uint32",
-    "gate_encoding": "string",
-    "up_encoding": "string",
-    "down_encoding": "string",
-}
 # Files a container directory may hold besides those its manifest lists.
 SIDE_FILES = re.compile(rf"^({re.escape(USAGE_FILE_NAME)}.*|.*\.coli_kv|\.colibri-.*|\..*\.tmp)$")
 MAX_FINDINGS_PER_CODE = 200
@@ -227,7 +216,7 @@ class _Verifier:
             self.error("manifest-invalid", f"manifest of {size} bytes exceeds the {MAX_MANIFEST_BYTES} limit", MANIFEST_NAME)
             return False
         try:
-            manifest = json.loads(mpath.read_bytes(), object_pairs_hook=_reject_duplicates)
+            manifest = json.loads(mpath.read_bytes(), object_pairs_hook=reject_duplicate_keys)
         except (UnicodeDecodeError, json.JSONDecodeError, FormatError) as exc:
             self.error("manifest-invalid", f"manifest is not valid JSON ({exc}); re-download it", MANIFEST_NAME)
             return False
