@@ -79,23 +79,28 @@ def row_codes(xs, width, scales, r, lo, hi, codes):  # pragma: no cover - compil
             codes[col] = 0
 
 @numba.njit(cache=True, nogil=True)
-def row_error(xs, codes, scales, r, lanes):  # pragma: no cover - compiled
-    # Sums of (dequantized - x)^2 and x^2 over a zero-padded row. Each term is exact in float64 (a bf16 or float32
-    # x, an int4/int8 code times a float16 scale), so only the order of the additions matters: eight lanes, combined
-    # in a fixed order, which the compiler can vectorize without reordering anything.
-    lanes[:] = 0.0
+def row_error(xs, codes, scales, r, acc):  # pragma: no cover - compiled
+    # Adds (dequantized - x)^2 and x^2 of a zero-padded row into acc[0, j] and acc[1, j], j = column mod 64. Each
+    # term is exact in float64 (a bf16 or float32 x, an int4/int8 code times a float16 scale), and each of the 128
+    # accumulators is a plain sequential sum, so the result does not depend on how the compiler vectorizes this.
     for g in range(scales.shape[1]):
         s = scales[r, g]
-        for k in range(g * 64, g * 64 + 64, 8):
-            for lane in range(8):
-                x = np.float64(xs[k + lane])
-                d = np.float64(np.float32(codes[k + lane]) * s) - x
-                lanes[0, lane] += d * d
-                lanes[1, lane] += x * x
-    e = lanes[0]
-    q = lanes[1]
-    return (((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7])),
-            ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7])))
+        base = g * 64
+        for j in range(64):
+            x = np.float64(xs[base + j])
+            d = np.float64(np.float32(codes[base + j]) * s) - x
+            acc[0, j] += d * d
+            acc[1, j] += x * x
+
+
+@numba.njit(cache=True, nogil=True)
+def lane_sums(acc):  # pragma: no cover - compiled
+    err = 0.0
+    sq = 0.0
+    for j in range(64):
+        err += acc[0, j]
+        sq += acc[1, j]
+    return err, sq
 
 
 @numba.njit(cache=True, nogil=True)
@@ -105,9 +110,7 @@ def bf16_int4(bits, scales, out):  # pragma: no cover - compiled
     wide = np.zeros(n_groups * 64, np.uint32)  # the row as float32 bits, zero-padded to whole groups
     xs = wide.view(np.float32)
     codes = np.zeros(n_groups * 64, np.int8)
-    lanes = np.zeros((2, 8), np.float64)
-    err = 0.0
-    sq = 0.0
+    acc = np.zeros((2, 64), np.float64)
     for r in range(n_rows):
         widen_row(bits, r, wide)
         row_codes(xs, width, scales, r, -8.0, 7.0, codes)
@@ -116,10 +119,8 @@ def bf16_int4(bits, scales, out):  # pragma: no cover - compiled
                 low = np.uint8(codes[g * 64 + j] + 8)
                 high = np.uint8(codes[g * 64 + j + 32] + 8)
                 out[r, g * 32 + j] = low | (high << np.uint8(4))
-        e, q = row_error(xs, codes, scales, r, lanes)
-        err += e
-        sq += q
-    return err, sq
+        row_error(xs, codes, scales, r, acc)
+    return lane_sums(acc)
 
 @numba.njit(cache=True, nogil=True)
 def bf16_int8(bits, scales, out):  # pragma: no cover - compiled
@@ -128,18 +129,14 @@ def bf16_int8(bits, scales, out):  # pragma: no cover - compiled
     wide = np.zeros(n_groups * 64, np.uint32)  # the row as float32 bits, zero-padded to whole groups
     xs = wide.view(np.float32)
     codes = np.zeros(n_groups * 64, np.int8)
-    lanes = np.zeros((2, 8), np.float64)
-    err = 0.0
-    sq = 0.0
+    acc = np.zeros((2, 64), np.float64)
     for r in range(n_rows):
         widen_row(bits, r, wide)
         row_codes(xs, width, scales, r, -127.0, 127.0, codes)
         for col in range(n_groups * 64):
             out[r, col] = codes[col]
-        e, q = row_error(xs, codes, scales, r, lanes)
-        err += e
-        sq += q
-    return err, sq
+        row_error(xs, codes, scales, r, acc)
+    return lane_sums(acc)
 
 @numba.njit(cache=True, nogil=True)
 def int4_error(rows, data, scales):  # pragma: no cover - compiled
@@ -147,9 +144,7 @@ def int4_error(rows, data, scales):  # pragma: no cover - compiled
     n_groups = scales.shape[1]
     codes = np.zeros(n_groups * 64, np.int8)
     xs = np.zeros(n_groups * 64, np.float32)
-    lanes = np.zeros((2, 8), np.float64)
-    err = 0.0
-    sq = 0.0
+    acc = np.zeros((2, 64), np.float64)
     for r in range(n_rows):
         xs[:width] = rows[r]
         for g in range(n_groups):
@@ -157,10 +152,8 @@ def int4_error(rows, data, scales):  # pragma: no cover - compiled
                 byte = np.int32(data[r, g * 32 + j])
                 codes[g * 64 + j] = np.int8((byte & 15) - 8)
                 codes[g * 64 + j + 32] = np.int8((byte >> 4) - 8)
-        e, q = row_error(xs, codes, scales, r, lanes)
-        err += e
-        sq += q
-    return err, sq
+        row_error(xs, codes, scales, r, acc)
+    return lane_sums(acc)
 
 @numba.njit(cache=True, nogil=True)
 def int8_error(rows, data, scales):  # pragma: no cover - compiled
@@ -168,17 +161,13 @@ def int8_error(rows, data, scales):  # pragma: no cover - compiled
     n_groups = scales.shape[1]
     codes = np.zeros(n_groups * 64, np.int8)
     xs = np.zeros(n_groups * 64, np.float32)
-    lanes = np.zeros((2, 8), np.float64)
-    err = 0.0
-    sq = 0.0
+    acc = np.zeros((2, 64), np.float64)
     for r in range(n_rows):
         xs[:width] = rows[r]
         for col in range(n_groups * 64):
             codes[col] = data[r, col]
-        e, q = row_error(xs, codes, scales, r, lanes)
-        err += e
-        sq += q
-    return err, sq
+        row_error(xs, codes, scales, r, acc)
+    return lane_sums(acc)
 
 def kernels():
     return bf16_extremes, bf16_int4, bf16_int8, int4_error, int8_error
