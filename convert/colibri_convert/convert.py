@@ -759,7 +759,7 @@ class Converter:
                 continue
             missing += [f"{el.prefix}.{x} (expert {x} of layer {layer})" for x in range(el.num_experts)
                         if (layer, x) not in records]
-        leftovers = [k for s in states for k in s.pending] 
+        leftovers = [k for s in states for k in s.pending]
         consumed = {k for s in states for k in s.consumed}
         stranded = sorted(set(leftovers) - consumed)
         if missing or stranded:
