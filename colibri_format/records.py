@@ -101,12 +101,14 @@ def record_layout(shapes: dict[str, tuple[int, ...]], encodings: tuple[str, str,
     return RecordLayout(tuple(parts), cursor)
 
 
-def encode_record(parts: dict[str, QuantizedTensor]) -> tuple[bytes, RecordLayout]:
-    """The payload bytes of one record (without alignment padding) and its layout."""
+def record_chunks(parts: dict[str, QuantizedTensor]) -> tuple[list, RecordLayout]:
+    """The payload of one record as a list of bytes-like chunks (alignment zeros and zero-copy array views, in
+    order; their concatenation is the payload without the trailing padding) and its layout."""
     shapes = {name: parts[name].shape for name in EXPERT_PARTS}
     encodings = tuple(parts[name].encoding for name in EXPERT_PARTS)
     layout = record_layout(shapes, encodings)
-    buf = bytearray(layout.length)
+    chunks: list = []
+    cursor = 0
     for part in layout.parts:
         t = parts[part.name]
         arrays = (t.data,) if t.scales is None else (t.data, t.scales)
@@ -118,8 +120,17 @@ def encode_record(parts: dict[str, QuantizedTensor]) -> tuple[bytes, RecordLayou
                 raise FormatError(
                     f"expert part {part.name}: stored array {a.dtype}{a.shape} does not match {seg.dtype}{seg.shape}"
                 )
-            buf[seg.offset : seg.offset + seg.nbytes] = a.tobytes()
-    return bytes(buf), layout
+            if seg.offset > cursor:
+                chunks.append(bytes(seg.offset - cursor))
+            chunks.append(memoryview(a).cast("B"))
+            cursor = seg.offset + seg.nbytes
+    return chunks, layout
+
+
+def encode_record(parts: dict[str, QuantizedTensor]) -> tuple[bytes, RecordLayout]:
+    """The payload bytes of one record (without alignment padding) and its layout."""
+    chunks, layout = record_chunks(parts)
+    return b"".join(chunks), layout
 
 
 def decode_record(buffer, layout: RecordLayout) -> dict[str, QuantizedTensor]:

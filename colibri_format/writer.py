@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from .constants import (
 from .errors import FormatError, WriterStateError
 from .names import check_file_name
 from .quant import QuantizedTensor, stored_layout
-from .records import encode_record, expert_file_header, record_crc32, round_up
+from .records import expert_file_header, record_chunks, round_up
 from .safetensors_io import NUMPY_TO_DTYPE, FileInfo, write_arrays
 
 WRITER_NAME = "colibri-format"
@@ -105,12 +106,15 @@ class ExpertFileWriter:
     ) -> IndexEntry:
         if self._closed:
             raise WriterStateError(f"{self.path.name}: append() after close()")
-        payload, layout = encode_record({"gate": gate, "up": up, "down": down})
+        chunks, layout = record_chunks({"gate": gate, "up": up, "down": down})
         offset = self._size
-        self._write(payload)
-        self._write(b"\0" * (round_up(layout.length, RECORD_ALIGNMENT) - layout.length))
+        crc = 0
+        for chunk in chunks:  # written straight from the arrays: no assembled copy of the record
+            self._write(chunk)
+            crc = zlib.crc32(chunk, crc)
+        self._write(bytes(round_up(layout.length, RECORD_ALIGNMENT) - layout.length))
         encodings = tuple(p.encoding for p in layout.parts)
-        return IndexEntry(int(layer), int(expert), self.path.name, offset, layout.length, record_crc32(payload), encodings)
+        return IndexEntry(int(layer), int(expert), self.path.name, offset, layout.length, crc & 0xFFFFFFFF, encodings)
 
     def close(self) -> FileInfo:
         if self._closed:
