@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from .kernels import pick_kernel
+
 from .mla import Linear, apply_rope
 
 INDEXER_NORM_EPS = 1e-6
@@ -172,7 +174,8 @@ class Indexer:
             self.weights.weights_proj(x) * np.float32(self.cfg.n_heads**-0.5), np.float32
         )
         out = np.full((n, keys.shape[0]), -np.inf, np.float32)
-        _index_scores_kernel(
+        macs = q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]
+        pick_kernel(_index_scores_kernel, macs)(
             q,
             w,
             np.ascontiguousarray(keys, np.float32),

@@ -310,6 +310,29 @@ def _matmul_many(x, kind, data_u8, data_i8, data_f32, scales, groups, bias, has_
             y[i, o] = r + bias[o] if has_bias else r
 
 
+# Serial twins of the parallel kernels (same code, same per-element order, so the same bits). Below
+# PARALLEL_MIN_MACS multiply-adds a call is over before a thread pool could share it out, and on a busy machine
+# waking the pool costs milliseconds: small matrices (a small model, a narrow expert, a router) run serially.
+PARALLEL_MIN_MACS = 1 << 21
+_serial: dict = {}
+
+
+def serial_twin(kernel):
+    """The same compiled kernel without its thread pool (prange runs as a plain loop)."""
+    twin = _serial.get(kernel)
+    if twin is None:
+        twin = _serial[kernel] = numba.njit(cache=True, nogil=True, error_model="numpy")(kernel.py_func)
+    return twin
+
+
+def pick_kernel(kernel, macs: int):
+    """`kernel` for work of `macs` multiply-adds and more, its serial twin below PARALLEL_MIN_MACS."""
+    return kernel if macs >= PARALLEL_MIN_MACS else serial_twin(kernel)
+
+
+_pick = pick_kernel
+
+
 _EMPTY_U8 = np.zeros((1, 1), np.uint8)
 _EMPTY_I8 = np.zeros((1, 1), np.int8)
 _EMPTY_F32 = np.zeros((1, 1), np.float32)
@@ -328,18 +351,19 @@ def linear(x: np.ndarray, w: PreparedWeight, bias: np.ndarray | None = None) -> 
     xp = pad_activations(x, w.in_features)
     has_bias = bias is not None
     b = _NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+    macs = n * w.out_features * w.groups * 64
     if n == 1:
         if w.kind == KIND_INT4:
-            _matmul_int4_one(xp, w.data, w.scales, w.groups, b, has_bias, y)
+            _pick(_matmul_int4_one, macs)(xp, w.data, w.scales, w.groups, b, has_bias, y)
         elif w.kind == KIND_INT8:
-            _matmul_int8_one(xp, w.data, w.scales, w.groups, b, has_bias, y)
+            _pick(_matmul_int8_one, macs)(xp, w.data, w.scales, w.groups, b, has_bias, y)
         else:
-            _matmul_f32_one(xp, w.data, w.scales, w.groups, b, has_bias, y)
+            _pick(_matmul_f32_one, macs)(xp, w.data, w.scales, w.groups, b, has_bias, y)
         return y
     u8 = w.data if w.kind == KIND_INT4 else _EMPTY_U8
     i8 = w.data if w.kind == KIND_INT8 else _EMPTY_I8
     f32 = w.data if w.kind == KIND_F32 else _EMPTY_F32
-    _matmul_many(xp, w.kind, u8, i8, f32, w.scales, w.groups, b, has_bias, y)
+    _pick(_matmul_many, macs)(xp, w.kind, u8, i8, f32, w.scales, w.groups, b, has_bias, y)
     return y
 
 
@@ -348,8 +372,9 @@ def warm_up() -> None:
     rng = np.random.default_rng(0)
     from colibri_format.quant import quantize
 
-    w = rng.standard_normal((4, 70)).astype(np.float32)
-    for enc in (Encoding.INT4_GS64, Encoding.INT8_GS64, Encoding.F32):
-        pw = prepare_weight(quantize(w, enc))
-        for n in (1, 3):
-            linear(rng.standard_normal((n, 70)).astype(np.float32), pw, np.ones(4, np.float32))
+    for rows in (4, PARALLEL_MIN_MACS // 64 + 1):  # the serial and the parallel kernels
+        w = rng.standard_normal((rows, 70)).astype(np.float32)
+        for enc in (Encoding.INT4_GS64, Encoding.INT8_GS64, Encoding.F32):
+            pw = prepare_weight(quantize(w, enc))
+            for n in (1, 3):
+                linear(rng.standard_normal((n, 70)).astype(np.float32), pw, np.ones(rows, np.float32))

@@ -18,6 +18,7 @@ import numpy as np
 from colibri_format.errors import RuntimeModelError
 
 from . import timesplit
+from .kernels import pick_kernel
 from .weights import ExpertProvider, Linear
 
 F32 = np.float32
@@ -268,7 +269,8 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
     """Softmax attention of queries over cached keys/values with a causal (optionally sliding-window) mask.
     Queries at cache index p see keys 0..p. Deterministic: one sequential reduction per (query, head)."""
     out = np.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=F32)
-    _causal_attention(np.ascontiguousarray(q, F32), np.ascontiguousarray(k, F32), np.ascontiguousarray(v, F32),
+    macs = q.shape[0] * q.shape[1] * k.shape[0] * (q.shape[2] + v.shape[2])
+    pick_kernel(_causal_attention, macs)(np.ascontiguousarray(q, F32), np.ascontiguousarray(k, F32), np.ascontiguousarray(v, F32),
                       np.ascontiguousarray(q_positions, np.int64), F32(scaling), int(window or 0), out)
     return out
 

@@ -33,6 +33,8 @@ import numpy as np
 
 from colibri_format.errors import RuntimeModelError
 
+from .kernels import pick_kernel
+
 F32 = np.float32
 Linear = Callable[[np.ndarray], np.ndarray]
 
@@ -373,7 +375,8 @@ def attend_latent(
     else:
         sel, counts = selection
     out = np.empty((n, cfg.num_heads, cfg.v_head_dim), F32)
-    _mla_absorbed_kernel(
+    macs = n * cfg.num_heads * (latent.shape[0] * (latent.shape[1] + k_pe.shape[1]) + w_uk.shape[1] * w_uk.shape[2])
+    pick_kernel(_mla_absorbed_kernel, macs)(
         np.ascontiguousarray(q_nope, F32),
         np.ascontiguousarray(q_pe, F32),
         w_uk,
