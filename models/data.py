@@ -234,7 +234,8 @@ def glossary_chats(rng: random.Random, template: jinja2.Template) -> list[str]:
     for term, definition in entries:
         definition = clean_rst(definition).strip()
         for q in questions:
-            chats.append(render_chat(template, with_system(rng, [("user", q.format(t=term)), ("assistant", definition)])))
+            turns = [("user", q.format(t=term)), ("assistant", definition)]
+            chats.append(render_chat(template, with_system(rng, turns)))
     return chats
 
 

@@ -49,7 +49,7 @@ BUILD = HERE / "build"
 SEED = 1234
 BOS_ID, END_ID, PAD_ID = 0, 1, 5
 
-MODEL_SHAPE = dict(  # noqa: C408 (keyword form reads like a config)
+MODEL_SHAPE = dict(
     hidden_size=256,
     intermediate_size=768,
     moe_intermediate_size=128,
@@ -112,6 +112,13 @@ def tokenize_split(corpus: Path, split: str, tokenizer_json: Path) -> np.ndarray
     cache.parent.mkdir(parents=True, exist_ok=True)
     np.save(cache, ids)
     return ids
+
+
+def heldout_rows(ids: np.ndarray, seq: int, rows: int) -> torch.Tensor:
+    """`rows` chunks spread evenly over the held-out split (neighbouring chunks share documents and domains)."""
+    chunks = Batches(ids, seq, 1, SEED).chunks
+    picks = np.linspace(0, len(chunks) - 1, num=min(rows, len(chunks))).round().astype(int)
+    return torch.from_numpy(chunks[picks].astype(np.int64))
 
 
 class Batches:
@@ -392,9 +399,10 @@ def export(model, mtp, out: Path, log: dict) -> None:
     """Writes a Hugging Face checkpoint folder atomically (built beside `out`, then renamed)."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.config.dtype = torch.bfloat16
     model.save_pretrained(tmp)
-    model.config.dtype = torch.float32
+    config = json.loads((tmp / "config.json").read_text())
+    config["dtype"] = "bfloat16"  # what model.safetensors holds (save_pretrained records the in-memory float32)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tensors = load_file(tmp / "model.safetensors")
     inter = model.config.moe_intermediate_size
     first_moe = model.config.first_k_dense_replace
@@ -416,6 +424,49 @@ def export(model, mtp, out: Path, log: dict) -> None:
     tmp.rename(out)
 
 
+def load_checkpoint(path: Path):
+    """The exported checkpoint back as (model, MTP layer), for evaluation of exactly what ships."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    mtp = MTPLayer(model.config)
+    tensors = load_file(path / "model.safetensors")
+    p = f"model.layers.{model.config.num_hidden_layers}."
+    n_experts = model.config.n_routed_experts
+    state = {
+        "enorm.weight": tensors[p + "enorm.weight"],
+        "hnorm.weight": tensors[p + "hnorm.weight"],
+        "eh_proj.weight": tensors[p + "eh_proj.weight"],
+        "shared_head_norm.weight": tensors[p + "shared_head.norm.weight"],
+    }
+    for name in mtp.block.state_dict():
+        if name == "mlp.experts.gate_up_proj":
+            state["block." + name] = torch.stack([torch.cat([tensors[f"{p}mlp.experts.{e}.gate_proj.weight"],
+                                                             tensors[f"{p}mlp.experts.{e}.up_proj.weight"]])
+                                                  for e in range(n_experts)])
+        elif name == "mlp.experts.down_proj":
+            state["block." + name] = torch.stack([tensors[f"{p}mlp.experts.{e}.down_proj.weight"]
+                                                  for e in range(n_experts)])
+        else:
+            state["block." + name] = tensors[p + name]
+    mtp.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    assert torch.equal(tensors[p + "shared_head.head.weight"].float(), model.lm_head.weight)
+    return model, mtp
+
+
+def evaluate_checkpoint(path: Path, heldout: torch.Tensor, batch: int) -> None:
+    """Re-evaluates an exported checkpoint (bf16 weights as shipped) and records it in its training log."""
+    model, mtp = load_checkpoint(path)
+    cap, _, attns = instrument(model, mtp)
+    config = model.config
+    result = evaluate(model, mtp, cap, attns, heldout, batch, config.n_routed_experts, config.num_experts_per_tok)
+    log_path = path / "training_log.json"
+    log = json.loads(log_path.read_text())
+    log["final_eval"] = {**result, "weights": "exported checkpoint (bf16)", "rows": "evenly spaced"}
+    log_path.write_text(json.dumps(log, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "expert_load"}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000, help="schedule length (fixes the run)")
@@ -432,10 +483,11 @@ def main() -> None:
     parser.add_argument("--balance-alpha", type=float, default=1e-3, help="sequence-wise balance loss weight")
     parser.add_argument("--bias-gamma", type=float, default=3e-3, help="aux-loss-free bias update speed")
     parser.add_argument("--dense-steps", type=int, default=60, help="indexer warm-up with dense attention")
-    parser.add_argument("--eval-rows", type=int, default=64, help="held-out sequences for the final evaluation")
+    parser.add_argument("--eval-rows", type=int, default=128, help="held-out sequences for the final evaluation")
     parser.add_argument("--checkpoint-minutes", type=float, default=6.0)
     parser.add_argument("--corpus", type=Path, default=BUILD / "corpus")
     parser.add_argument("--out", type=Path, default=HERE / "colibri-tiny")
+    parser.add_argument("--evaluate-only", action="store_true", help="re-evaluate the checkpoint in --out")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -452,8 +504,11 @@ def main() -> None:
     train_ids = tokenize_split(args.corpus, "train", tokenizer_json)
     held_ids = tokenize_split(args.corpus, "heldout", tokenizer_json)
     batches = Batches(train_ids, args.seq, args.batch, SEED)
-    heldout = torch.from_numpy(Batches(held_ids, args.seq, 1, SEED).chunks[: args.eval_rows].astype(np.int64))
+    heldout = heldout_rows(held_ids, args.seq, args.eval_rows)
     print(f"tokens: train {len(train_ids):,} heldout {len(held_ids):,} ({time.time() - t0:.0f}s)", flush=True)
+    if args.evaluate_only:
+        evaluate_checkpoint(args.out, heldout, args.batch)
+        return
 
     config = build_config(vocab_size)
     model = GlmMoeDsaForCausalLM(config)
@@ -543,7 +598,9 @@ def main() -> None:
         step += 1
     train_seconds = time.time() - start
     result = evaluate(model, mtp, cap, attns, heldout, args.batch, n_experts, top_k)
-    log.update(steps=step, stop_reason=stop_reason, reproduce=f"--steps {total} --decay-start {decay_start}", wall_seconds=round(train_seconds, 1),
+    result.update(weights="in-memory float32", rows="evenly spaced")
+    log.update(steps=step, stop_reason=stop_reason, reproduce=f"--steps {total} --decay-start {decay_start}",
+               wall_seconds=round(train_seconds, 1),
                tokens_seen=step * args.batch * args.seq, final_eval=result,
                correction_bias_range={str(i): [round(float(g.e_score_correction_bias.min()), 4),
                                                round(float(g.e_score_correction_bias.max()), 4)]
