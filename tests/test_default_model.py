@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 import runtime_oracle
 from typer.testing import CliRunner
 
@@ -29,7 +28,6 @@ def test_chat_runs_the_default_model_with_no_arguments():
     assert "glm_moe_dsa" in result.stderr and "tok/s" in result.stderr
 
 
-@pytest.mark.skipif(not CHECKPOINT.is_dir(), reason="the training checkpoint is not in this checkout")
 def test_shipped_container_is_the_conversion_of_the_trained_checkpoint(tmp_path):
     from colibri_convert.convert import convert
     from colibri_convert.sources import open_source
