@@ -410,7 +410,7 @@ class Container:
             f.close()
         self._files.clear()
 
-    def __enter__(self) -> Container:
+    def __enter__(self) -> Container:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:

@@ -405,7 +405,7 @@ class ContainerWriter:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._state = "aborted"
 
-    def __enter__(self) -> ContainerWriter:
+    def __enter__(self) -> ContainerWriter:  # noqa: PYI034
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

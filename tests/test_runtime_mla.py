@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from colibri_runtime import dsa, mla
+from colibri_runtime import dsa, mla  # noqa: E402 - after the importorskip guards
 
 SEQ = 40
 TOPK = 8

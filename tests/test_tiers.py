@@ -150,7 +150,7 @@ def test_same_expert_always_goes_to_the_same_drive(container_dir, tmp_path):
     with Container.open(container_dir) as c:
         a = RecordReader(c, mirrors=[mirror], drive_weights=[1, 1])
         b = RecordReader(c, mirrors=[mirror], drive_weights=[1, 1])
-        picks = [(a.drive_for(l, e, "experts-00001.colx").name, b.drive_for(l, e, "experts-00001.colx").name)
-                 for l in LAYERS for e in range(EXPERTS)]
+        picks = [(a.drive_for(layer, e, "experts-00001.colx").name, b.drive_for(layer, e, "experts-00001.colx").name)
+                 for layer in LAYERS for e in range(EXPERTS)]
         assert all(x == y for x, y in picks)
         assert len({x for x, _ in picks}) == 2

@@ -320,7 +320,7 @@ def _split_shards(names: list[str], num_shards: int) -> list[list[str]]:
         else:
             groups.append([name])
     per = math.ceil(len(groups) / num_shards)
-    return [sum(groups[i:i + per], []) for i in range(0, len(groups), per)]
+    return [[name for group in groups[i:i + per] for name in group] for i in range(0, len(groups), per)]
 
 
 def save_state_dict(sd: dict[str, torch.Tensor], out_dir: Path, num_shards: int = 1) -> list[str]:

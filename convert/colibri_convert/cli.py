@@ -48,7 +48,7 @@ class _RichProgress:
         self.bar.start()
         self.overall = self.bar.add_task("all shards", total=sum(s or 0 for _, s in units) or None)
         self._units = dict(units)
-        for name, size in units[:done]:
+        for _, size in units[:done]:
             self.bar.advance(self.overall, size or 0)
 
     def unit_start(self, name, nbytes, ntensors):

@@ -390,7 +390,7 @@ class Converter:
 
     def _lock(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        f = open(self.out_dir / LOCK_NAME, "a+")
+        f = open(self.out_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held for the whole conversion
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

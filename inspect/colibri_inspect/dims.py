@@ -81,10 +81,7 @@ class ModelDims:
     def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
         """KV cache bytes one token costs over all layers: MLA keeps the latent plus the rope key (576 floats per
         layer on GLM-5), other attention keeps keys and values of every KV head."""
-        if self.is_mla:
-            per_layer = self.kv_lora_rank + self.qk_rope_head_dim
-        else:
-            per_layer = 2 * self.kv_heads * self.head_dim
+        per_layer = self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else 2 * self.kv_heads * self.head_dim
         return per_layer * self.layers * bytes_per_value
 
     def expected_expert_shapes(self) -> dict[str, list[int]] | None:

@@ -134,7 +134,7 @@ def check_o_direct(path: Path) -> Check:
 def check_numba() -> Check:
     try:
         import numba
-    except Exception as exc:  # noqa: BLE001 - a probe reports any failure  # ImportError, or a broken llvmlite
+    except Exception as exc:
         return Check("numba", FAIL, f"numba does not import ({exc})", "pip install numba (the runtime's kernels need it)")
     start = time.perf_counter()
     try:
@@ -146,7 +146,7 @@ def check_numba() -> Check:
             return s
 
         assert _probe(10) == 45
-    except Exception as exc:  # noqa: BLE001 - a probe reports any failure
+    except Exception as exc:
         return Check("numba", FAIL, f"numba {numba.__version__} cannot compile ({exc})", "reinstall numba and llvmlite")
     return Check("numba", OK, f"numba {numba.__version__} compiles ({time.perf_counter() - start:.2f} s)")
 
@@ -162,7 +162,7 @@ def check_tokenizer(facts: ContainerFacts) -> Check:
 
         tok = Tokenizer.from_file(str(facts.path / name))
         size = tok.get_vocab_size()
-    except Exception as exc:  # noqa: BLE001 - a probe reports any failure
+    except Exception as exc:
         return Check("tokenizer", FAIL, f"tokenizer.json does not load ({exc})", "re-download tokenizer.json")
     vocab = facts.dims.vocab
     if vocab and size > vocab:
@@ -173,7 +173,7 @@ def check_tokenizer(facts: ContainerFacts) -> Check:
 def check_family(family: str) -> Check:
     try:
         registry = importlib.import_module("colibri_runtime.families")
-    except Exception as exc:  # noqa: BLE001 - a probe reports any failure
+    except Exception as exc:
         return Check("family", WARN, f"the runtime is not importable ({exc})", "install colibri with its runtime")
     get_family = getattr(registry, "get_family", None)
     if callable(get_family):
@@ -181,7 +181,7 @@ def check_family(family: str) -> Check:
             get_family(family)
         except ColibriError as exc:
             return Check("family", FAIL, str(exc), "upgrade Colibri, or run another model")
-        except Exception as exc:  # noqa: BLE001 - a probe reports any failure
+        except Exception as exc:
             return Check("family", WARN, f"family {family!r} is registered but its module fails to import ({exc})",
                          "reinstall Colibri")
         return Check("family", OK, f"the runtime supports {family}")

@@ -95,7 +95,7 @@ def _belady(demands, capacity, start) -> tuple[int, int]:
 def replay(trace, capacity_fraction: float = 0.25, learn_fraction: float = 0.5, pin_share: float = 0.5):
     """Hit rates of every policy on `trace` (a runtime.trace.RoutingTrace) at capacity_fraction of each layer."""
     num_experts = trace.num_experts
-    capacity = max(1, int(round(capacity_fraction * num_experts)))
+    capacity = max(1, round(capacity_fraction * num_experts))
     start = int(trace.tokens * learn_fraction)
     pin_count = int(capacity * pin_share)
     totals = {p: [0, 0] for p in ("lru", "lru+pin", "lru+pin+prefetch", "belady")}

@@ -169,7 +169,7 @@ class _Conversation:
                 if isinstance(saved, list) and all(isinstance(m, dict) and "role" in m for m in saved):
                     self.messages = saved
             except (OSError, ValueError):
-                warnings.warn(f"{self.path} is unreadable; the conversation starts over")
+                warnings.warn(f"{self.path} is unreadable; the conversation starts over", stacklevel=2)
 
     def _initial(self) -> list[dict]:
         return [] if self.system is None else [{"role": "system", "content": self.system}]

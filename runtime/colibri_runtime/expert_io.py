@@ -110,7 +110,7 @@ class RecordReader:
         good: set[str] = set()
         manifest_files = self.container.manifest["files"]
         by_file: dict[str, list] = {}
-        for layer, expert, loc in self.container.iter_records():
+        for _, _, loc in self.container.iter_records():
             by_file.setdefault(loc.file, []).append(loc)
         for name in sorted(expert_files):
             p = root / name
