@@ -16,7 +16,7 @@ from colibri_format.quant import dequantize, quantize_reference
 from colibri_format.reader import Container
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
-import make_golden  # noqa: E402
+import make_golden
 
 
 def _manifest_without_writer(path: Path) -> dict:

@@ -19,7 +19,7 @@ from colibri_format.reader import Container
 from colibri_format.writer import ContainerWriter, IndexEntry, write_index
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
-import make_golden  # noqa: E402
+import make_golden
 
 GOLDEN = make_golden.GOLDEN_DIR
 
@@ -111,10 +111,9 @@ def test_writer_refuses_out_of_order_and_duplicate_calls(tmp_path):
 
 def test_a_crash_mid_write_leaves_nothing_that_looks_like_a_container(tmp_path):
     g = quantize(np.ones((8, 64), np.float32), "int4_gs64")
-    with pytest.raises(RuntimeError):
-        with ContainerWriter(tmp_path / "crash", family="olmoe", config={}) as w:
-            w.add_tensor("a", g)
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), ContainerWriter(tmp_path / "crash", family="olmoe", config={}) as w:
+        w.add_tensor("a", g)
+        raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
 
 

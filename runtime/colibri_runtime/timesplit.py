@@ -15,10 +15,10 @@ class TimeSplit:
     attention: float = 0.0
     moe: float = 0.0  # routed experts and shared experts of MoE layers, drive waits included
 
-    def since(self, earlier: "TimeSplit") -> "TimeSplit":
+    def since(self, earlier: TimeSplit) -> TimeSplit:
         return TimeSplit(self.attention - earlier.attention, self.moe - earlier.moe)
 
-    def snapshot(self) -> "TimeSplit":
+    def snapshot(self) -> TimeSplit:
         return replace(self)
 
 

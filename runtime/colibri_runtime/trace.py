@@ -67,7 +67,7 @@ class RoutingTrace:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path) -> "RoutingTrace":
+    def load(cls, path: Path) -> RoutingTrace:
         import zstandard
 
         data = Path(path).read_bytes()
