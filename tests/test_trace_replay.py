@@ -61,3 +61,19 @@ def test_belady_is_optimal_on_a_known_sequence():
     rates = {r.policy: r.hit_rate for r in replay(rec.trace(), capacity_fraction=0.25, learn_fraction=0.0)}
     assert rates["lru"] == 0.0
     assert rates["belady"] == pytest.approx(0.49, abs=0.02)
+
+
+def test_replay_command(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from colibri_inspect.cli import app
+
+    _synthetic_trace(perfect_predictions=True).save(tmp_path / "t.trace")
+    result = CliRunner().invoke(app, ["replay", str(tmp_path / "t.trace"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["capacity"] == 4 and data["policies"]["lru+pin+prefetch"]["hit_rate"] == 1.0
+    bad = CliRunner().invoke(app, ["replay", str(tmp_path / "missing.trace")])
+    assert bad.exit_code == 1 and "cannot read routing trace" in bad.output

@@ -426,6 +426,37 @@ def usage(
 
 
 @app.command()
+def replay(
+    trace: Path = typer.Argument(..., help="A routing trace written by colibri-run --trace FILE"),
+    capacity: float = typer.Option(0.25, "--capacity", help="Cache capacity per layer, as a fraction of its experts"),
+    learn: float = typer.Option(0.5, "--learn", help="Fraction of the trace pinning learns from (judged on the rest)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Replay a routing trace through LRU, LRU + pinning, LRU + pinning + prefetch and Belady's optimum."""
+    from colibri_runtime.trace import RoutingTrace
+
+    from .replay import replay as run_replay
+
+    try:
+        t = RoutingTrace.load(trace)
+    except ColibriError as exc:
+        fail(str(exc))
+    results = run_replay(t, capacity_fraction=capacity, learn_fraction=learn)
+    belady = next(r for r in results if r.policy == "belady")
+    if as_json:
+        emit_json({"tokens": t.tokens, "layers": t.layers, "num_experts": t.num_experts, "capacity": belady.capacity,
+                   "policies": {r.policy: {"hit_rate": r.hit_rate, "accesses": r.accesses} for r in results}})
+        return
+    out.print(f"{trace}: {t.tokens} tokens, {len(t.layers)} MoE layers x {t.num_experts} experts, top-{t.top_k}; "
+              f"capacity {belady.capacity} experts per layer ({capacity:.0%}), pinning learned on the first {learn:.0%}")
+    table = Table("policy", "hit rate", "x Belady")
+    for r in results:
+        ratio = r.hit_rate / belady.hit_rate if belady.hit_rate else 0.0
+        table.add_row(r.policy, f"{100 * r.hit_rate:.1f}%", f"{ratio:.2f}")
+    out.print(table)
+
+
+@app.command()
 def version() -> None:
     """Print the version."""
     from colibri_format import __version__

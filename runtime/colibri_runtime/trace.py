@@ -70,7 +70,10 @@ class RoutingTrace:
     def load(cls, path: Path) -> RoutingTrace:
         import zstandard
 
-        data = Path(path).read_bytes()
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise SidecarError(f"cannot read routing trace {path}: {exc.strerror}") from None
         if data[:8] != TRACE_MAGIC:
             raise SidecarError(f"{path}: not a Colibri routing trace (bad magic)")
         try:
