@@ -25,7 +25,7 @@ def test_generate_runs_the_default_model_with_no_arguments():
 def test_chat_runs_the_default_model_with_no_arguments():
     result = CliRunner().invoke(app, ["chat", "--max-tokens", "6"], input="hello\n/quit\n")
     assert result.exit_code == 0, result.output
-    assert "glm_moe_dsa" in result.stderr and "tok/s" in result.stderr
+    assert "colibri-tiny (glm_moe_dsa" in result.stderr and "tok/s" in result.stderr
 
 
 def test_shipped_container_is_the_conversion_of_the_trained_checkpoint(tmp_path):

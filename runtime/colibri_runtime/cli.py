@@ -214,7 +214,7 @@ def chat(
     context: int = CONTEXT_OPT,
 ) -> None:
     """Interactive multi-turn chat with a status line after each answer."""
-    from .generate import GenerationStats, format_stats
+    from .generate import GenerationStats, format_stats, human_bytes
     from .runner import Runner
 
     runner = None
@@ -225,7 +225,9 @@ def chat(
             runner = Runner.open(model, options, trace)
             conversation = _Conversation(system, session)
         mdl, tokenizer, gen = runner.model, runner.tokenizer, runner.generator
-        typer.echo(f"{runner.model_dir.name}: {mdl.family}. {CHAT_HELP}", err=True)
+        source = str(runner.container.manifest.get("source", {}).get("repo") or runner.model_dir)
+        typer.echo(f"{Path(source).name} ({mdl.family}, {human_bytes(runner.budget.resident)} resident). "
+                   f"{CHAT_HELP}", err=True)
         state, reopen = mdl.new_state(), session is not None
         totals = GenerationStats()
         while True:
@@ -288,7 +290,8 @@ def chat(
             runner.end_turn()
             _accumulate(totals, stats)
             typer.echo(_status_line(stats), err=True)
-        typer.echo(format_stats(totals), err=True)
+        if totals.prompt_tokens:
+            typer.echo(format_stats(totals), err=True)
     except ColibriError as exc:
         _fail(exc)
     finally:
