@@ -480,7 +480,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=32, help="decoded tokens per timed run (half for deepseek_v3)")
     ap.add_argument("--warmup-new", type=int, default=8)
-    ap.add_argument("--offload-new", type=int, default=6)
+    ap.add_argument("--offload-new", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-gb", type=float, default=3.0, help="GiB of the memory group of the budget rows")
     ap.add_argument("--stream-gb", type=float, default=1.5, help="GiB of the memory group of the streaming rows")

@@ -215,15 +215,20 @@ def run_llama_cpp(a: dict) -> dict:
                 use_mmap=True, seed=0, verbose=False)
     load_s = time.perf_counter() - t
 
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:  # Llama.eval keeps no scores unless logits_all: read the context's own
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
     def decode(n: int):
         llm.reset()
         llm.eval(prompt)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
         tokens = [tok]
         t0 = time.perf_counter()
         for _ in range(n):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits()))
             tokens.append(tok)
         return time.perf_counter() - t0, tokens
 
