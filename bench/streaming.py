@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri_format.reader import Container
+from colibri_runtime.generate import peak_rss_bytes, rss_bytes
 from colibri_runtime.placement import PlacementOptions
 from colibri_runtime.runner import Runner
 from colibri_runtime.sampling import SamplingParams
@@ -143,6 +144,8 @@ def decode_run(container_dir: Path, options: PlacementOptions, prompt: list[int]
             "cache_bytes": provider.cached_bytes,
             "budget_experts_bytes": runner.budget.experts,
             "container_expert_bytes": runner.budget.expert_bytes * runner.budget.moe_layers * runner.budget.num_experts,
+            "rss_bytes": rss_bytes(),
+            "peak_rss_bytes": peak_rss_bytes(),
         }
     finally:
         runner.close()
@@ -202,6 +205,9 @@ def main() -> None:
         print(f"{name:<18}{med['tok_s']:>8.2f}{bound:>12.2f}{med['x_disk_bound']:>9.2f}"
               f"{med['missed_bytes_per_token'] / 2**20:>9.1f}{med['read_gbps_busy']:>11.2f}{med['x_raw_read']:>7.2f}"
               f"{100 * med['hit_rate']:>6.0f}%{pr:>14}")
+    results["peak_rss_bytes"] = peak_rss_bytes()
+    print(f"peak RSS of the process {peak_rss_bytes() / 2**30:.2f} GiB with a --ram budget of {args.ram:.2f} GB "
+          f"(container experts {runs[0]['container_expert_bytes'] / 2**30:.2f} GiB)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")
