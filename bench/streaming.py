@@ -185,11 +185,18 @@ def main() -> None:
     results["raw_sequential_read_gbps"] = raw_seq
     print(f"raw disk: {raw_random:.2f} GB/s random whole-record O_DIRECT reads on {args.io_threads} threads, "
           f"{raw_seq:.2f} GB/s sequential 16 MiB reads")
+    # Pinning learns from a history of other text: one run on another prompt writes .coli_usage, and every measured
+    # run starts from that same history (so no run learns from the prompt it is measured on).
+    learn_prompt = list(np.random.default_rng(1).integers(300, 5000, size=16))
+    decode_run(args.container, PlacementOptions(ram_gb=args.ram, direct="on", pin="0", prefetch=False,
+                                                context_tokens=256), learn_prompt, args.tokens + 1)
+    learned = usage.read_bytes()
     print(f"{'policy':<18}{'tok/s':>8}{'disk bound':>12}{'x bound':>9}{'MiB/tok':>9}{'read GB/s':>11}"
           f"{'x raw':>7}{'hit':>7}{'prefetch P/R':>14}")
     for name in args.policies.split(","):
         runs = []
         for _ in range(args.repeats):
+            usage.write_bytes(learned)
             drop_page_cache(expert_files)
             options = PlacementOptions(ram_gb=args.ram, direct="on", io_threads=args.io_threads,
                                        context_tokens=256, **POLICIES[name])
