@@ -72,6 +72,8 @@ DISK_WEIGHTS_OPT = typer.Option(None, "--disk-weights", help="Relative read band
                                 "mirror, e.g. 9,3 (default: equal).")
 TRACE_OPT = typer.Option(None, "--trace", help="Record every routing decision to this file.")
 CONTEXT_OPT = typer.Option(4096, "--context", help="Tokens of attention state to budget for.")
+DSA_OPT = typer.Option(False, "--dsa-select-all", help="GLM-5: make the DSA indexer select every key (dense "
+                       "attention).")
 
 
 @app.command()
@@ -96,8 +98,7 @@ def generate(
     disk_weights: Optional[str] = DISK_WEIGHTS_OPT,
     trace: Optional[Path] = TRACE_OPT,
     context: int = CONTEXT_OPT,
-    dsa_select_all: bool = typer.Option(False, "--dsa-select-all", help="GLM-5: make the DSA indexer select "
-                                        "every key (dense attention)."),
+    dsa_select_all: bool = DSA_OPT,
 ) -> None:
     """Complete PROMPT and stream the completion to stdout."""
     from .runner import Runner
@@ -212,6 +213,7 @@ def chat(
     disk_weights: Optional[str] = DISK_WEIGHTS_OPT,
     trace: Optional[Path] = TRACE_OPT,
     context: int = CONTEXT_OPT,
+    dsa_select_all: bool = DSA_OPT,
 ) -> None:
     """Interactive multi-turn chat with a status line after each answer."""
     from .generate import GenerationStats, format_stats, human_bytes
@@ -222,7 +224,7 @@ def chat(
         params = _params(temperature, top_p, top_k, seed, repetition_penalty)
         options = _placement(ram, pin, prefetch, io_threads, direct, mirror, disk_weights, context)
         with _warnings_as_lines():
-            runner = Runner.open(model, options, trace)
+            runner = Runner.open(model, options, trace, dsa_select_all)
             conversation = _Conversation(system, session)
         mdl, tokenizer, gen = runner.model, runner.tokenizer, runner.generator
         source = str(runner.container.manifest.get("source", {}).get("repo") or runner.model_dir)
