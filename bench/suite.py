@@ -21,8 +21,10 @@ The files of each model are dropped from the page cache (posix_fadvise DONTNEED)
 outside the group would otherwise be read without being charged to it.
 
 Protocol per engine: load, one warm-up run, `--repeats` timed runs (median counts); each run prefills `--prompt`
-random ids and decodes `--new` tokens (`--offload-new` for the disk-offload peer, which is ~100 x slower); only the
-decode steps are timed. Limits, measured in the same run at the same thread count:
+random ids and decodes `--new` tokens (`--offload-new` for the disk-offload peer, which is ~20 x slower); only the
+decode steps are timed. In RAM the decode is greedy. In the budget and stream rows each step feeds the next id of a
+fixed random continuation instead (same ids for every engine; `--greedy` turns this off): random weights make greedy
+decoding repeat one token, hence the same experts at every step, and the smallest cache then looks as good as RAM. Limits, measured in the same run at the same thread count:
 - memory bound: read bandwidth (a read-only integer reduction over 1 GiB on the numba threads, bench/kernels.py)
   / bytes of weights one decode step reads in that engine's format (resident weights, one embedding row, top_k
   experts per MoE layer);
@@ -283,8 +285,9 @@ def rows_for(m: Model, args, llama_skip: str | None, cgroup_skip: str | None) ->
     rows = []
 
     def add(setting, engine, label, spec=None, skip=None, budget=None):
-        rows.append({"model": m.key, "setting": setting, "engine": engine, "label": label,
-                     "spec": dict(base, engine=engine, **(spec or {})), "skip": skip, "budget_gib": budget})
+        spec = dict(base, engine=engine, forced=budget is not None and not args.greedy, **(spec or {}))
+        rows.append({"model": m.key, "setting": setting, "engine": engine, "label": label, "spec": spec,
+                     "skip": skip, "budget_gib": budget})
 
     ram = "in RAM"
     add(ram, "colibri", "colibri int4", {"model": str(m.container), "preload": True})
@@ -491,6 +494,8 @@ def parse_args(argv=None):
     ap.add_argument("--llama-extra-bufts", action="store_true",
                     help="let llama.cpp use its extra CPU buffer types (AMX, weight repacking); off by default "
                          "because AMX crashes on this machine's virtual CPU")
+    ap.add_argument("--greedy", action="store_true",
+                    help="decode greedily in the budget and stream rows too (default: a forced random continuation)")
     ap.add_argument("--no-budget", action="store_true", help="skip the cgroup rows")
     ap.add_argument("--raw-gb", type=float, default=1.0, help="GB read for each raw disk bandwidth measurement")
     ap.add_argument("--io-threads", type=int, default=4)
