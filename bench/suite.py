@@ -1,6 +1,6 @@
 """The benchmark suite: colibri-run against its peers and against the physical limits, side by side, in one run.
 
-    python bench/suite.py            # full run (about 20 minutes on 2 cores)
+    python bench/suite.py            # full run (about 5 minutes on 2 cores once the models exist)
     python bench/suite.py --quick    # fewer tokens, one timed run per engine, OLMoE shapes only
 
 Models (real dimensions, random weights; built here if missing, else reused):
