@@ -329,6 +329,8 @@ def run_row(row: dict, m: Model) -> dict:
             result["cgroup"] = group.stats()
     else:
         result = run_engine(row["spec"])
+    if row["spec"].get("offload_folder"):  # accelerate copies the offloaded weights there (6 GB for olmoe)
+        shutil.rmtree(row["spec"]["offload_folder"], ignore_errors=True)
     if "error" in result:
         log(f"  failed: {result['error']}")
     else:
