@@ -32,7 +32,6 @@ from colibri_format.reader import Container
 from colibri_runtime.generate import peak_rss_bytes, rss_bytes
 from colibri_runtime.placement import PlacementOptions
 from colibri_runtime.runner import Runner
-from colibri_runtime.sampling import SamplingParams
 
 POLICIES = {
     "lru": dict(pin="0", prefetch=False),
@@ -105,25 +104,23 @@ def sequential_bandwidth(paths, budget_bytes: int, block: int = 16 * 1024 * 1024
     return got / (time.perf_counter() - t0) / 1e9
 
 
-def decode_run(container_dir: Path, options: PlacementOptions, prompt: list[int], tokens: int) -> dict:
+def decode_run(container_dir: Path, options: PlacementOptions, prompt: list[int], continuation: list[int]) -> dict:
+    """Prefill `prompt`, then decode by feeding `continuation` one token per forward (a forced continuation: greedy
+    decoding of random weights repeats one token, which would make every cache look perfect)."""
     runner = Runner.open(container_dir, options)
     try:
         provider, reader = runner.provider, runner.provider.reader
         gen = runner.generator
-        marks = {}
-        t_first = None
-        count = 0
-        for _ in gen.stream(prompt, SamplingParams(), max_tokens=tokens, stop_ids=()):
-            count += 1
-            if count == 1:  # decode starts after the first token: snapshot the counters
-                t_first = time.perf_counter()
-                marks = dict(bytes=provider.stats.bytes_read, busy=reader.busy_seconds,
-                             loaded=provider.stats.loaded, hits=provider.stats.hits,
-                             wait=provider.stats.disk_wait_seconds, pred=provider.stats.predicted,
-                             used=provider.stats.predicted_used, wanted=provider.stats.wanted_after_hint)
-        wall = time.perf_counter() - t_first
-        steps = count - 1
+        state = runner.model.new_state()
+        gen.step(state, prompt)
         s = provider.stats
+        marks = dict(bytes=s.bytes_read, busy=reader.busy_seconds, loaded=s.loaded, hits=s.hits,
+                     wait=s.disk_wait_seconds, pred=s.predicted, used=s.predicted_used, wanted=s.wanted_after_hint)
+        t0 = time.perf_counter()
+        for token in continuation:
+            gen.step(state, [token])
+        wall = time.perf_counter() - t0
+        steps = len(continuation)
         read = s.bytes_read - marks["bytes"]
         busy = reader.busy_seconds - marks["busy"]
         loaded = s.loaded - marks["loaded"]
@@ -165,7 +162,9 @@ def main() -> None:
 
     container = Container.open(args.container)
     expert_files = [container.path / f for f in container.files_of_role("experts")]
-    prompt = list(np.random.default_rng(0).integers(300, 5000, size=16))
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(300, 5000, size=16)]
+    continuation = [int(t) for t in rng.integers(300, 5000, size=args.tokens)]
     usage = container.path / ".coli_usage"
     usage.unlink(missing_ok=True)
     results = {
@@ -187,9 +186,11 @@ def main() -> None:
           f"{raw_seq:.2f} GB/s sequential 16 MiB reads")
     # Pinning learns from a history of other text: one run on another prompt writes .coli_usage, and every measured
     # run starts from that same history (so no run learns from the prompt it is measured on).
-    learn_prompt = list(np.random.default_rng(1).integers(300, 5000, size=16))
+    other = np.random.default_rng(1)
     decode_run(args.container, PlacementOptions(ram_gb=args.ram, direct="on", pin="0", prefetch=False,
-                                                context_tokens=256), learn_prompt, args.tokens + 1)
+                                                context_tokens=256),
+               [int(t) for t in other.integers(300, 5000, size=16)],
+               [int(t) for t in other.integers(300, 5000, size=args.tokens)])
     learned = usage.read_bytes()
     print(f"{'policy':<18}{'tok/s':>8}{'disk bound':>12}{'x bound':>9}{'MiB/tok':>9}{'read GB/s':>11}"
           f"{'x raw':>7}{'hit':>7}{'prefetch P/R':>14}")
@@ -200,7 +201,7 @@ def main() -> None:
             drop_page_cache(expert_files)
             options = PlacementOptions(ram_gb=args.ram, direct="on", io_threads=args.io_threads,
                                        context_tokens=256, **POLICIES[name])
-            runs.append(decode_run(args.container, options, prompt, args.tokens + 1))
+            runs.append(decode_run(args.container, options, prompt, continuation))
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
         bound = raw_random * 1e9 / med["missed_bytes_per_token"] if med["missed_bytes_per_token"] else float("inf")
         med["disk_bound_tok_s"] = bound

@@ -43,7 +43,8 @@ def _requests():
 
 
 def _arrays(prepared):
-    return [np.asarray(a) for p in prepared for w in (p.gate, p.up, p.down) for a in (w.data, w.scales)]
+    # Copies: an expert handed out is only guaranteed until the provider's next get() (its read buffer is reused).
+    return [np.array(a) for p in prepared for w in (p.gate, p.up, p.down) for a in (w.data, w.scales)]
 
 
 def _run(provider, hints: str = "none"):

@@ -58,6 +58,11 @@ class DriveReport:
     failed: bool
 
 
+def allocate_buffer(size: int) -> mmap.mmap:
+    """A page-aligned read buffer (O_DIRECT needs the alignment; buffered reads do not mind it)."""
+    return mmap.mmap(-1, -(-size // RECORD_ALIGNMENT) * RECORD_ALIGNMENT)
+
+
 def _weighted_choice(key: str, drives: list[Drive]) -> Drive:
     """Deterministic: the same key and drive set give the same drive in every process."""
     total = sum(d.weight for d in drives)
@@ -196,22 +201,24 @@ class RecordReader:
             if self._in_flight == 0:
                 self.busy_seconds += now - self._busy_since
 
-    def _read_from(self, drive: Drive, file: str, offset: int, length: int) -> ReadResult:
+    def _read_from(self, drive: Drive, file: str, offset: int, length: int, buf=None) -> ReadResult:
         fd = self._fd(drive, file)
         t0 = self._begin_read()
         try:
-            return self._read_into_buffer(drive, fd, file, offset, length, t0)
+            return self._read_into_buffer(drive, fd, file, offset, length, t0, buf)
         finally:
             self._end_read()
 
-    def _read_into_buffer(self, drive: Drive, fd: int, file: str, offset: int, length: int, t0: float) -> ReadResult:
+    def _read_into_buffer(
+        self, drive: Drive, fd: int, file: str, offset: int, length: int, t0: float, buf
+    ) -> ReadResult:
+        size = -(-length // RECORD_ALIGNMENT) * RECORD_ALIGNMENT
+        if buf is None or len(buf) < size:
+            buf = allocate_buffer(size)
         if self.direct:
-            size = -(-length // RECORD_ALIGNMENT) * RECORD_ALIGNMENT
-            buf = mmap.mmap(-1, size)
-            got = os.preadv(fd, [buf], offset)
+            got = os.preadv(fd, [memoryview(buf)[:size]], offset)
         else:
-            buf = bytearray(length)
-            got = os.preadv(fd, [buf], offset)
+            got = os.preadv(fd, [memoryview(buf)[:length]], offset)
             if self.drop_page_cache:
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         if got < length:
@@ -223,13 +230,15 @@ class RecordReader:
             drive.read_seconds += seconds
         return ReadResult(buf, length, drive.name, seconds)
 
-    def read(self, layer: int, expert: int) -> ReadResult:
+    def read(self, layer: int, expert: int, buffer=None) -> ReadResult:
+        """Read one record into `buffer` (a page-aligned buffer from `allocate_buffer`, reused to spare the kernel
+        from zeroing fresh pages on every read) or into a new one."""
         loc = self.container.record_location(layer, expert)
         drive = self.drive_for(layer, expert, loc.file)
         if drive is self.drives[0]:
-            return self._read_from(drive, loc.file, loc.offset, loc.length)
+            return self._read_from(drive, loc.file, loc.offset, loc.length, buffer)
         try:
-            result = self._read_from(drive, loc.file, loc.offset, loc.length)
+            result = self._read_from(drive, loc.file, loc.offset, loc.length, buffer)
             if record_crc32(memoryview(result.buffer)[: loc.length]) != loc.crc32:
                 raise OSError(f"record ({layer}, {expert}) read from {drive.name} fails its checksum")
             return result
@@ -239,7 +248,7 @@ class RecordReader:
                 if drive.name not in self._warned:
                     self._warned.add(drive.name)
                     warnings.warn(f"read error on {drive.name} ({exc}); falling back to the primary", stacklevel=2)
-            return self._read_from(self.drives[0], loc.file, loc.offset, loc.length)
+            return self._read_from(self.drives[0], loc.file, loc.offset, loc.length, buffer)
 
     def report(self) -> list[DriveReport]:
         return [DriveReport(d.name, len(d.files), d.bytes_read, d.reads, d.read_seconds, d.failed) for d in self.drives]

@@ -94,14 +94,22 @@ def compute_budget(container, options: PlacementOptions) -> Budget:
     resident = resident_bytes(container)
     context = min(options.context_tokens, int(container.config.get("max_position_embeddings", options.context_tokens)))
     kv = kv_bytes_per_token(container.config) * context
-    experts = total - resident - kv - WORKING_RESERVE_BYTES
+    # Read buffers in flight or waiting for reuse: one per reader thread plus a layer's worth of prefetches.
+    top_k = int(container.config.get("num_experts_per_tok") or 8)
+    working = WORKING_RESERVE_BYTES + spare_read_buffers(options, top_k) * expert_bytes
+    experts = total - resident - kv - working
     if experts < 0:
         raise ColibriError(
             f"--ram {total / GIB:.2f} GiB cannot hold this model's resident weights ({resident / GIB:.2f} GiB), "
-            f"attention state ({kv / GIB:.2f} GiB for {context} tokens) and working buffers; give more --ram"
+            f"attention state ({kv / GIB:.2f} GiB for {context} tokens) and working buffers ({working / GIB:.2f} GiB); "
+            "give more --ram, or a smaller --context"
         )
-    return Budget(total, resident, kv, WORKING_RESERVE_BYTES, experts, expert_bytes, len(layers),
-                  container.num_experts)
+    return Budget(total, resident, kv, working, experts, expert_bytes, len(layers), container.num_experts)
+
+
+def spare_read_buffers(options: PlacementOptions, top_k: int) -> int:
+    """Read buffers the tier cache may hold beyond its cached experts (in flight, or kept for reuse)."""
+    return options.io_threads + 2 * top_k
 
 
 def load_usage(container, path: Path | None = None) -> tuple[UsageCounts, Path]:
@@ -165,6 +173,8 @@ def build_provider(container, options: PlacementOptions, trace=None):
         drive_weights=list(options.disk_weights) or None,
         drop_page_cache=options.ram_gb is not None,
     )
+    top_k = int(container.config.get("num_experts_per_tok") or 8)
     provider = TieredExpertProvider(container, plan, reader=reader, io_threads=options.io_threads,
-                                    prefetch=options.prefetch, verify_reads=options.verify_reads, trace=trace)
+                                    prefetch=options.prefetch, verify_reads=options.verify_reads, trace=trace,
+                                    spare_buffers=spare_read_buffers(options, top_k))
     return provider, budget, usage, usage_path

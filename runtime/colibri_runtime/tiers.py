@@ -9,11 +9,14 @@ earlier hidden state; missing ones start loading on the I/O pool. When the model
 expert is picked up; a prefetch that has not started yet is cancelled and read on the spot (stale work is dropped);
 prefetched experts the layer did not ask for are dropped. Precision and recall of the predictions are counted.
 
-Every tier hands out the same bytes, decoded the same way, so placement never changes a result.
+Every tier hands out the same bytes, decoded the same way, so placement never changes a result. Read buffers are
+reused: an expert that leaves the cache gives its buffer back once the model asks for the next layer (by then the
+layer that used it has been computed), which spares the kernel a zeroed page per 4 KiB on every read.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -99,6 +102,7 @@ class TieredExpertProvider:
         prefetch: bool = True,
         verify_reads: bool = False,
         trace=None,
+        spare_buffers: int = 16,
     ) -> None:
         self.container = container
         self.plan = plan
@@ -112,6 +116,12 @@ class TieredExpertProvider:
         self._lru: dict[int, OrderedDict[int, PreparedExpert]] = {}
         self._inflight: dict[tuple[int, int], Future] = {}
         self._hinted: dict[int, set[int]] = {}
+        self._stats_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._free: dict[int, list] = {}
+        self._quarantine: list = []
+        self._buffer_of: dict[tuple[int, int], object] = {}
+        self.spare_buffers = spare_buffers  # free read buffers kept for reuse; more are released to the OS
         self.routing_counts = np.zeros((self._num_layer_slots(), max(1, container.num_experts)), dtype=np.float32)
         self._load_pinned()
 
@@ -123,12 +133,38 @@ class TieredExpertProvider:
     # --- loading --------------------------------------------------------------------------------------------------
 
     def _load(self, layer: int, expert: int) -> tuple[PreparedExpert, int, str, float]:
-        result = self.reader.read(layer, expert)
+        result = self.reader.read(layer, expert, self._take_buffer(layer, expert))
         view = memoryview(result.buffer)[: result.length]
         if self.verify_reads:
             self.container.verify_record_bytes(layer, expert, view)
         record = self.container.decode_record(view, layer, expert)
+        with self._pool_lock:
+            self._buffer_of[(layer, expert)] = result.buffer
         return PreparedExpert.from_record(record), result.length, result.drive, result.seconds
+
+    # --- read buffers: reused, because a fresh buffer costs the kernel a page fault and a zeroed page per 4 KiB ---
+
+    def _take_buffer(self, layer: int, expert: int):
+        size = self.container.record_location(layer, expert).padded_length
+        with self._pool_lock:
+            free = self._free.get(size)
+            return free.pop() if free else None
+
+    def _retire(self, key: tuple[int, int]) -> None:
+        """The expert `key` left the cache: its buffer may be reused once the layer computing with it is done."""
+        with self._pool_lock:
+            buf = self._buffer_of.pop(key, None)
+            if buf is not None:
+                self._quarantine.append(buf)
+
+    def _release_quarantine(self) -> None:
+        """Called when the model asks for a layer: every expert handed out before has been computed with."""
+        with self._pool_lock:
+            for buf in self._quarantine:
+                free = self._free.setdefault(len(buf), [])
+                if len(free) < self.spare_buffers:
+                    free.append(buf)
+            self._quarantine.clear()
 
     def _load_pinned(self) -> None:
         futures = {key: self.pool.submit(self._load, *key) for key in self.plan.pinned}
@@ -138,6 +174,7 @@ class TieredExpertProvider:
             self._account_read(nbytes, drive, seconds)
 
     def _account_read(self, nbytes: int, drive: str, seconds: float) -> None:
+        # Called on the main thread, and under _stats_lock from reader threads for discarded prefetches.
         self.stats.bytes_read += nbytes
         self.stats.read_seconds += seconds
         self.stats.bytes_by_drive[drive] = self.stats.bytes_by_drive.get(drive, 0) + nbytes
@@ -156,7 +193,9 @@ class TieredExpertProvider:
             key = (layer, e)
             if key in self._pinned or e in self._lru.get(layer, ()) or key in self._inflight:
                 continue
-            self._inflight[key] = self.pool.submit(self._load, layer, e)
+            fut = self.pool.submit(self._load, layer, e)
+            fut.colibri_key = key
+            self._inflight[key] = fut
             self.stats.prefetch_reads += 1
 
     def count_tokens(self, n: int) -> None:
@@ -170,6 +209,7 @@ class TieredExpertProvider:
             self.trace.routed(layer, ids)
 
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[PreparedExpert]:
+        self._release_quarantine()
         wanted = [int(e) for e in expert_ids]
         self._score_prediction(layer, wanted)
         lru = self._lru.setdefault(layer, OrderedDict())
@@ -199,7 +239,8 @@ class TieredExpertProvider:
             t0 = time.perf_counter()
             for e, fut in to_read:
                 prepared, nbytes, drive, seconds = fut.result()
-                self._account_read(nbytes, drive, seconds)
+                with self._stats_lock:
+                    self._account_read(nbytes, drive, seconds)
                 out[e] = prepared
                 self._insert(layer, e, prepared)
             self.stats.disk_wait_seconds += time.perf_counter() - t0
@@ -217,12 +258,14 @@ class TieredExpertProvider:
     def _insert(self, layer: int, expert: int, prepared: PreparedExpert) -> None:
         capacity = self.plan.lru_per_layer
         if capacity <= 0:
+            self._retire((layer, expert))
             return
         lru = self._lru[layer]
         lru[expert] = prepared
         lru.move_to_end(expert)
         while len(lru) > capacity:
-            lru.popitem(last=False)
+            evicted, _ = lru.popitem(last=False)
+            self._retire((layer, evicted))
 
     def _score_prediction(self, layer: int, wanted: list[int]) -> None:
         predicted = self._hinted.pop(layer, None)
@@ -234,17 +277,24 @@ class TieredExpertProvider:
         self.stats.wanted_after_hint += len(wanted)
 
     def _drop_unused_prefetches(self, layer: int, wanted: set[int]) -> None:
+        """Prefetches of this layer that it did not ask for: cancel them, or let them finish in the background and
+        count their bytes; they are not cached (a wrong guess must not evict an expert that is in use)."""
         for key in [k for k in self._inflight if k[0] == layer and k[1] not in wanted]:
             fut = self._inflight.pop(key)
             self.stats.prefetch_wasted += 1
             if not fut.cancel():
-                try:
-                    prepared, nbytes, drive, seconds = fut.result()
-                except OSError:
-                    continue
-                self._account_read(nbytes, drive, seconds)
-                # Read anyway: keep it in the LRU rather than waste the bytes (results are unaffected).
-                self._insert(layer, key[1], prepared)
+                fut.add_done_callback(self._account_wasted)
+
+    def _account_wasted(self, fut: Future) -> None:
+        try:
+            _, nbytes, drive, seconds = fut.result()
+        except Exception:  # a failed read nobody waits for: the demand path reports real failures
+            return
+        with self._stats_lock:
+            self._account_read(nbytes, drive, seconds)
+        key = getattr(fut, "colibri_key", None)
+        if key is not None:
+            self._retire(key)
 
     @property
     def cached_bytes(self) -> int:

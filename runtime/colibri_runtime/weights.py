@@ -150,6 +150,8 @@ class ExpertProvider(Protocol):
     """The model's only access to routed experts. Implementations must return the same numbers whatever they cache.
 
     get(layer, expert_ids) -> one PreparedExpert per id, in order (ids distinct, sorted ascending by the caller).
+        What it returns is valid until the next get() call: a provider may reuse the memory of experts it evicts
+        (the model computes a layer's experts before asking for the next layer's).
     hint(layer, expert_ids) -> advice that these experts will be wanted soon (prefetch); may be ignored.
     count_tokens(n) -> the model reports how many token positions it processed (for per-token statistics).
     """
