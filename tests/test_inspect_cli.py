@@ -93,8 +93,8 @@ def test_plan_text_and_json(c):
     assert data["pinned_hottest"][0] == [2, 3]  # the hottest count is the last cell
     r = run("plan", c, "--ram", "1.2", "--disk-gbps", "3")
     assert "every expert fits" in r.output and "not disk-bound" in r.output
-    # Too little RAM: the dense part does not fit, every expert comes from disk.
-    r = run("plan", c, "--ram", "0.5", "--disk-gbps", "1", "--json")
+    # Too little RAM: the dense part does not fit (0.2 GB < 256 MiB of working memory), every expert from disk.
+    r = run("plan", c, "--ram", "0.2", "--disk-gbps", "1", "--json")
     data = json.loads(r.output)
     assert not data["dense_fits"] and data["slots"] == 0
     assert data["tokens_per_s"] == pytest.approx(1e9 / (2 * 3 * 4352), rel=1e-3)

@@ -274,7 +274,7 @@ def plan(
 ) -> None:
     """What stays resident, how many experts the caches hold, what gets pinned, and the predicted decode speed."""
     from .facts import load_usage
-    from .plan import PlanInputs, make_plan
+    from .plan import PlanInputs, make_plan, runtime_working_bytes
     from .scan import measure_read_bandwidth
 
     facts = load_facts(path)
@@ -308,6 +308,7 @@ def plan(
             context=context,
             disk_bytes_per_s=disk_gbps * 1e9,
             pin_fraction=pin_fraction,
+            working_bytes=runtime_working_bytes(facts.dims.top_k, facts.bytes_per_expert),
         ),
         counts,
     )

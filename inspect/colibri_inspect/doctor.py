@@ -18,7 +18,7 @@ from colibri_format.constants import RECORD_ALIGNMENT
 from colibri_format.errors import ColibriError
 
 from .facts import ContainerFacts
-from .plan import DEFAULT_CONTEXT, PlanInputs, default_os_reserve, make_plan
+from .plan import DEFAULT_CONTEXT, PlanInputs, default_os_reserve, make_plan, runtime_working_bytes
 from .scan import measure_read_bandwidth
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -52,6 +52,7 @@ def check_memory(facts: ContainerFacts, available_bytes: int, context: int = DEF
             ram_bytes=available_bytes,
             context=context,
             os_reserve_bytes=0,
+            working_bytes=runtime_working_bytes(dims.top_k, facts.bytes_per_expert),
         )
     )
     need = plan.inputs.dense_bytes + plan.kv_bytes + plan.inputs.working_bytes

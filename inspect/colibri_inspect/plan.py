@@ -31,7 +31,15 @@ import numpy as np
 
 GIB = 1024**3
 DEFAULT_CONTEXT = 4096
-DEFAULT_WORKING_BYTES = 1 * GIB  # activations, Python, numba, read buffers
+DEFAULT_WORKING_BYTES = 1 * GIB  # activations, Python, numba, read buffers (when nothing better is known)
+RUNTIME_WORKING_BYTES = 256 * 1024**2  # what colibri-run reserves besides read buffers (colibri_runtime.placement)
+RUNTIME_IO_THREADS = 4
+
+
+def runtime_working_bytes(top_k: int, bytes_per_expert: int, io_threads: int = RUNTIME_IO_THREADS) -> int:
+    """Working memory as colibri-run budgets it: a fixed reserve plus one read buffer per reader thread and two
+    layers' worth of prefetches (colibri_runtime.placement.spare_read_buffers)."""
+    return RUNTIME_WORKING_BYTES + (io_threads + 2 * top_k) * bytes_per_expert
 DEFAULT_PIN_FRACTION = 0.5
 KV_BYTES_PER_VALUE = 4  # the runtime keeps its KV cache in float32
 
