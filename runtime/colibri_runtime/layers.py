@@ -483,25 +483,36 @@ class MoE:
         observe = getattr(self.experts, "observe_routing", None)
         if observe is not None:
             observe(self.layer, ids)
-        out = self.routed(x, weights, ids)
+        union = [int(e) for e in np.unique(ids)]
+        request = getattr(self.experts, "request", None)
+        # A provider that streams starts its reads now; the shared expert computes while they are in flight.
+        arrivals = request(self.layer, union) if request is not None else None
+        shared = None
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
                 shared = sigmoid(self.shared_gate(x)) * shared
+        if arrivals is None:
+            arrivals = zip(union, self.experts.get(self.layer, union))
+        out = self.routed(x, weights, ids, arrivals)
+        if shared is not None:
             out = out + shared
         timesplit.SPLIT.moe += timesplit.clock() - t0
         return out
 
-    def routed(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        union = np.unique(ids)
-        records = self.experts.get(self.layer, [int(e) for e in union])
+    def routed(self, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, arrivals) -> np.ndarray:
+        """Each expert's contribution is computed as the expert arrives (in any order); the contributions are then
+        added in ascending expert order, so the bits never depend on which expert came first."""
         act = activation(self.act)
-        out = np.zeros_like(x, dtype=F32)
-        for e, rec in zip(union, records):
+        contributions = {}
+        for e, rec in arrivals:
             rows, slot = np.nonzero(ids == e)
             xs = x[rows]
             h = act(_lin(xs, rec.gate)) * _lin(xs, rec.up)
-            y = _lin(h, rec.down) * weights[rows, slot][:, None]
+            contributions[e] = (rows, _lin(h, rec.down) * weights[rows, slot][:, None])
+        out = np.zeros_like(x, dtype=F32)
+        for e in sorted(contributions):
+            rows, y = contributions[e]
             out[rows] = out[rows] + y
         return out
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -209,21 +209,28 @@ class TieredExpertProvider:
             self.trace.routed(layer, ids)
 
     def get(self, layer: int, expert_ids: Sequence[int]) -> list[PreparedExpert]:
+        got = dict(self.request(layer, expert_ids))
+        return [got[int(e)] for e in expert_ids]
+
+    def request(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, PreparedExpert]]:
+        """Start loading what is missing now; then yield (expert, prepared) as each becomes available: cached
+        experts first, read ones as their reads complete. The caller computes with each as it comes, overlapping
+        compute with the remaining reads (and must combine the results in a fixed order to keep its bits)."""
         self._release_quarantine()
         wanted = [int(e) for e in expert_ids]
         self._score_prediction(layer, wanted)
         lru = self._lru.setdefault(layer, OrderedDict())
-        out: dict[int, PreparedExpert] = {}
-        to_read = []
+        ready: list[tuple[int, PreparedExpert]] = []
+        pending: dict[Future, int] = {}
         misses = 0
         for e in wanted:
             key = (layer, e)
             if key in self._pinned:
-                out[e] = self._pinned[key]
+                ready.append((e, self._pinned[key]))
                 self.stats.pinned_hits += 1
             elif e in lru:
                 lru.move_to_end(e)
-                out[e] = lru[e]
+                ready.append((e, lru[e]))
                 self.stats.lru_hits += 1
             else:
                 fut = self._inflight.pop(key, None)
@@ -234,24 +241,28 @@ class TieredExpertProvider:
                     misses += 1
                 else:
                     self.stats.prefetch_hits += 1
-                to_read.append((e, fut))
-        if to_read:
+                pending[fut] = e
+        self._drop_unused_prefetches(layer, set(wanted))
+        self.stats.misses += misses
+        self.stats.requests += 1
+        self.stats.loaded += len(wanted)
+        self.stats.hits += len(wanted) - misses  # pinned, LRU and prefetched: no demand read was waited for
+        self.stats.per_layer[layer] = self.stats.per_layer.get(layer, 0) + len(wanted)
+        return self._deliver(layer, ready, pending)
+
+    def _deliver(self, layer: int, ready, pending: dict[Future, int]) -> Iterator[tuple[int, PreparedExpert]]:
+        yield from ready
+        while pending:
             t0 = time.perf_counter()
-            for e, fut in to_read:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            self.stats.disk_wait_seconds += time.perf_counter() - t0
+            for fut in sorted(done, key=lambda f: pending[f]):
+                e = pending.pop(fut)
                 prepared, nbytes, drive, seconds = fut.result()
                 with self._stats_lock:
                     self._account_read(nbytes, drive, seconds)
-                out[e] = prepared
                 self._insert(layer, e, prepared)
-            self.stats.disk_wait_seconds += time.perf_counter() - t0
-        self._drop_unused_prefetches(layer, set(wanted))
-        self.stats.misses += misses
-        hits = len(wanted) - misses  # pinned, LRU and prefetched experts: no demand read was waited for
-        self.stats.requests += 1
-        self.stats.loaded += len(wanted)
-        self.stats.hits += hits
-        self.stats.per_layer[layer] = self.stats.per_layer.get(layer, 0) + len(wanted)
-        return [out[e] for e in wanted]
+                yield e, prepared
 
     # --- internals ------------------------------------------------------------------------------------------------
 
