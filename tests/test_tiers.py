@@ -94,6 +94,8 @@ def test_pinning_serves_hot_experts_without_reads(container_dir, baseline):
         counts[1, 0], counts[2, 5], counts[3, 3] = 9, 5, 1
         hot = hottest_experts(counts, LAYERS)
         assert hot == [(1, 0), (2, 5), (3, 3)]
+        counts[1, 1:] = 1  # layer 1: one hot expert among lukewarm ones; only it stands out
+        assert hottest_experts(counts, [1], min_heat=1.5) == [(1, 0)]
         expert_bytes = c.record_location(1, 0).length
         plan = plan_cache(10 * expert_bytes, expert_bytes, LAYERS, pin_bytes=2 * expert_bytes, hot=hot)
         assert plan.pinned == ((1, 0), (2, 5)) and plan.lru_per_layer == 2

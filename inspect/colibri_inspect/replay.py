@@ -3,7 +3,8 @@
 Every policy sees the same demand stream: for each token, for each MoE layer in order, the set of experts routed to.
 Capacity is per layer (as the runtime's per-layer LRU). Policies:
 - `lru`: per-layer LRU.
-- `lru+pin`: the hottest experts of the learning part of the trace are pinned (half the capacity), LRU for the rest.
+- `lru+pin`: the hottest experts of the learning part of the trace are pinned (at most half the capacity, and only
+  experts used more than 1.5 times their layer's average, as `--pin auto` does), LRU for the rest.
 - `lru+pin+prefetch`: as above, and the trace's lookahead predictions for a layer are loaded before it runs (a
   predicted expert that is then used counts as a hit: it did not stall the token).
 - `belady`: evict the expert whose next use is furthest in the future (optimal for demand fetching).
@@ -17,6 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+
+PIN_MIN_HEAT = 1.5  # colibri_runtime.placement.AUTO_PIN_MIN_HEAT
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ def replay(trace, capacity_fraction: float = 0.25, learn_fraction: float = 0.5, 
         demands = _demands(trace.routed, slot)
         preds = [sorted({int(e) for e in row if e >= 0}) for row in trace.predicted[:, slot, :]]
         history = np.bincount(trace.routed[:start, slot, :].reshape(-1).clip(min=0), minlength=num_experts)
-        hot = [int(e) for e in np.argsort(-history, kind="stable")[:pin_count] if history[e] > 0]
+        # As colibri-run's --pin auto: only experts clearly hotter than the layer's average are pinned.
+        floor = PIN_MIN_HEAT * float(history.mean())
+        hot = [int(e) for e in np.argsort(-history, kind="stable")[:pin_count] if history[e] > max(0.0, floor)]
         runs = {
             "lru": _lru(demands, capacity, start),
             "lru+pin": _lru(demands, capacity - len(hot), start, pinned=hot),

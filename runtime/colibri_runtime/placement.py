@@ -24,6 +24,9 @@ GIB = 1024**3
 WORKING_RESERVE_BYTES = 256 * 1024**2
 DEFAULT_RESERVE_FRACTION = 0.10
 AUTO_PIN_SHARE = 0.5
+# --pin auto pins only experts clearly hotter than their layer's average: with a flat history (a random router, a
+# new container) pinning would only shrink the LRU.
+AUTO_PIN_MIN_HEAT = 1.5
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ def build_provider(container, options: PlacementOptions, trace=None):
     learned = usage
     if learn_from is not None:
         learned, _ = load_usage(container, learn_from)
-    hot = hottest_experts(learned.counts, container.expert_layers)
+    min_heat = AUTO_PIN_MIN_HEAT if options.pin == "auto" or learn_from is not None else 0.0
+    hot = hottest_experts(learned.counts, container.expert_layers, min_heat)
     plan = plan_cache(budget.experts, budget.expert_bytes, container.expert_layers, pin, hot)
     if budget.fits_all_experts:
         plan = CachePlan(container.num_experts, plan.pinned)

@@ -79,12 +79,15 @@ def plan_cache(
     return CachePlan(int(remaining // expert_bytes // len(layers)), pinned)
 
 
-def hottest_experts(counts: np.ndarray, layers: Sequence[int]) -> list[tuple[int, int]]:
-    """(layer, expert) of every expert with a non-zero count, hottest first (ties by layer, then expert)."""
+def hottest_experts(counts: np.ndarray, layers: Sequence[int], min_heat: float = 0.0) -> list[tuple[int, int]]:
+    """(layer, expert) of every expert with a non-zero count above `min_heat` times its layer's mean count, hottest
+    first (ties by layer, then expert)."""
     out = []
     for layer in layers:
         if layer < counts.shape[0]:
-            for e in np.nonzero(counts[layer] > 0)[0]:
+            row = counts[layer]
+            floor = min_heat * float(row.mean()) if row.size else 0.0
+            for e in np.nonzero((row > 0) & (row > floor))[0]:
                 out.append((float(counts[layer, e]), int(layer), int(e)))
     out.sort(key=lambda t: (-t[0], t[1], t[2]))
     return [(layer, e) for _, layer, e in out]
