@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from colibri_format.errors import ColibriError
+from colibri_format.units import human_bytes
 
 app = typer.Typer(help="Convert Hugging Face MoE checkpoints to Colibri containers.", no_args_is_help=True,
                   add_completion=False)
@@ -69,15 +70,6 @@ class _RichProgress:
         self.bar.stop()
 
 
-def _human(n: float) -> str:
-    """Bytes in units people read (decimal, as disk sizes and the Hub show them)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
 def _print_summary(s) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -85,11 +77,11 @@ def _print_summary(s) -> None:
     console = Console(stderr=False)
     rate = s.throughput_gbps * 1e9
     console.print(f"[bold]{s.out_dir}[/bold]: {s.family}, {s.units} shard(s) ({s.units_resumed} resumed), "
-                  f"container {_human(s.container_bytes)}, {s.seconds:.1f} s, "
-                  f"{_human(rate)}/s of source read, MTP layers {list(s.mtp_layers) or 'none'}")
+                  f"container {human_bytes(s.container_bytes)}, {s.seconds:.1f} s, "
+                  f"{human_bytes(rate)}/s of source read, MTP layers {list(s.mtp_layers) or 'none'}")
     table = Table("tensor class", "tensors", "source", "stored", "worst rel. RMSE", "worst tensor")
     for cls, q in s.quant.items():
-        table.add_row(cls, str(q["tensors"]), _human(q["source_bytes"]), _human(q["stored_bytes"]),
+        table.add_row(cls, str(q["tensors"]), human_bytes(q["source_bytes"]), human_bytes(q["stored_bytes"]),
                       f"{q['worst_relative_rmse']:.4f}", q["worst_tensor"])
     console.print(table)
 

@@ -15,6 +15,7 @@ from colibri_format.constants import MANIFEST_NAME
 from colibri_format.errors import ColibriError, ConversionError, IntegrityError
 from colibri_format.reader import Container
 from colibri_format.safetensors_io import sha256_file
+from colibri_format.units import human_bytes
 
 CARD_NAME = "README.md"
 
@@ -37,14 +38,6 @@ def verify_container(path: Path) -> dict:
             raise IntegrityError(f"refusing to publish {path}: {name} does not match its manifest checksum; "
                                  "re-convert or re-download it")
     return manifest
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def model_card(manifest: dict, repo_id: str) -> str:
@@ -88,9 +81,9 @@ def model_card(manifest: dict, repo_id: str) -> str:
         "| role | bytes |",
         "|---|---|",
     ]
-    lines += [f"| {role} | {_human(n)} |" for role, n in sorted(sizes.items())]
+    lines += [f"| {role} | {human_bytes(n)} |" for role, n in sorted(sizes.items())]
     lines += [
-        f"| total | {_human(sum(sizes.values()))} |",
+        f"| total | {human_bytes(sum(sizes.values()))} |",
         "",
         f"Experts: {experts.get('records', 0)} records over {len(experts.get('layers', []))} layers, "
         f"{experts.get('num_experts', 0)} per layer. MTP layers: {extra.get('mtp', {}).get('layers', [])}.",

@@ -27,6 +27,7 @@ from rich.progress import (
 from rich.table import Table
 
 from colibri_format.errors import ColibriError
+from colibri_format.units import human_bytes as human
 
 app = typer.Typer(help="Verify and plan Colibri containers.", no_args_is_help=True, add_completion=False)
 mirror_app = typer.Typer(help="Verify and stage mirrors of a container on other drives.", no_args_is_help=True)
@@ -36,15 +37,6 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False)
 
 GIB = 1024**3
-
-
-def human(n: float) -> str:
-    """Bytes in binary units: 512 B, 3.0 KiB, 12.4 MiB, 1.50 GiB."""
-    n = float(n)
-    for unit, scale in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}" if unit in ("GiB", "TiB") else f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -148,7 +148,9 @@ CHAT_HELP = "Commands: /reset (new conversation), /stats (totals so far), /quit 
 
 
 def _status_line(stats) -> str:
-    from .generate import human_bytes, human_seconds, rss_bytes
+    from colibri_format.units import human_bytes
+
+    from .generate import human_seconds, rss_bytes
 
     e = stats.experts
     return (f"[{stats.decode_tps:.2f} tok/s | TTFT {human_seconds(stats.ttft_seconds)} | hit {100 * e.hit_rate:.0f}% "
@@ -216,7 +218,9 @@ def chat(
     dsa_select_all: bool = DSA_OPT,
 ) -> None:
     """Interactive multi-turn chat with a status line after each answer."""
-    from .generate import GenerationStats, format_stats, human_bytes
+    from colibri_format.units import human_bytes
+
+    from .generate import GenerationStats, format_stats
     from .runner import Runner
 
     runner = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from colibri_format.errors import RuntimeModelError
+from colibri_format.units import human_bytes
 
 from .model import DecoderModel, SequenceState
 from .sampling import Sampler, SamplingParams
@@ -197,14 +198,6 @@ def greedy_tokens(model: DecoderModel, prompt: Sequence[int], n: int) -> list[in
 
 
 # --- human units ------------------------------------------------------------------------------------------------
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def human_seconds(s: float) -> str:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibri_format.errors import ColibriError
+from colibri_format.units import human_bytes
 
 from . import timesplit
-from .generate import GenerationStats, Generator, human_bytes, human_seconds
+from .generate import GenerationStats, Generator, human_seconds
 from .placement import Budget, PlacementOptions, build_provider, save_usage
 
 DEFAULT_MODEL_DIR = Path(__file__).with_name("default_model")
