@@ -58,6 +58,13 @@ def _params(temperature: float, top_p: float, top_k: int, seed: Optional[int], r
                           repetition_penalty=repetition_penalty, seed=seed)
 
 
+# Sampling options shared by generate and chat.
+TEMPERATURE_OPT = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 is greedy.")
+TOP_P_OPT = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off).")
+TOP_K_OPT = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off).")
+SEED_OPT = typer.Option(None, "--seed", help="Random seed for sampling.")
+REPETITION_OPT = typer.Option(1.0, "--repetition-penalty", help="1 = off.")
+
 # Placement options shared by generate and chat (specs/CONTAINER.md, "Mirrors"; runtime/colibri_runtime/placement.py).
 RAM_OPT = typer.Option(None, "--ram", help="RAM budget in GB for weights, expert cache and state "
                        "(default: available memory less a reserve).")
@@ -81,11 +88,11 @@ def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1 = off."),
+    temperature: float = TEMPERATURE_OPT,
+    top_p: float = TOP_P_OPT,
+    top_k: int = TOP_K_OPT,
+    seed: Optional[int] = SEED_OPT,
+    repetition_penalty: float = REPETITION_OPT,
     stop: list[str] = typer.Option([], "--stop", help="Stop when the text contains this string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print run statistics to stderr at the end."),
@@ -198,11 +205,11 @@ class _Conversation:
 def chat(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per answer."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    seed: Optional[int] = typer.Option(None),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    temperature: float = TEMPERATURE_OPT,
+    top_p: float = TOP_P_OPT,
+    top_k: int = TOP_K_OPT,
+    seed: Optional[int] = SEED_OPT,
+    repetition_penalty: float = REPETITION_OPT,
     system: Optional[str] = typer.Option(None, help="A system message opening the conversation."),
     session: Optional[str] = typer.Option(None, help="Name of a persistent session: the conversation and its "
                                           "attention state are kept across runs."),
